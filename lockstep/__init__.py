@@ -1,0 +1,38 @@
+"""lockstep: data-parallel training for PyTorch.
+
+Public names are imported lazily, so ``import lockstep`` stays cheap and a launcher process
+never imports the training machinery it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (one line each; add yours in place).
+_EXPORTS: dict[str, str] = {
+    "ProcessInfo": "lockstep.env",
+    "init_distributed": "lockstep.distributed",
+    "shutdown_distributed": "lockstep.distributed",
+    "spawn": "lockstep.multiproc",
+    "WorkerError": "lockstep.multiproc",
+    "DistributedDataParallel": "lockstep.ddp.wrapper",
+    "GradBucket": "lockstep.ddp.comm_hooks",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,100 @@
+"""Setting up and tearing down the default process group from what the launcher set."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lockstep.env import ProcessInfo, default_backend, detect_process_info
+
+__all__ = ["init_distributed", "shutdown_distributed", "current_process_info", "pick_device"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """This rank's device: GPU number ``local_rank`` where there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU: this machine has {count}. "
+                "Start at most one worker per GPU (e.g. `lockstep run --nproc-per-node auto`)."
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def current_process_info() -> ProcessInfo:
+    """Describe this process from the live default group (or the environment, before one exists)."""
+    info = detect_process_info()
+    if not dist.is_initialized():
+        return info
+    backend = str(dist.get_backend())
+    device = pick_device(info.local_rank) if "nccl" in backend else torch.device("cpu")
+    return replace(
+        info, rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, backend=backend
+    )
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    device: torch.device | str | None = None,
+) -> ProcessInfo:
+    """Create the default process group from torchrun's, SLURM's or no environment.
+
+    With no launcher variables set this is a world of one: the group lives in memory
+    (a ``HashStore``), nothing listens on the network. Calling it again is harmless and
+    returns the same description.
+
+    Args:
+        backend: ``"nccl"``/``"gloo"``; by default NCCL for CUDA devices, gloo otherwise.
+        timeout: how long a collective may wait for a peer before failing.
+        device: this rank's device; by default GPU ``local_rank`` when there are GPUs, else CPU.
+
+    Returns:
+        The :class:`~lockstep.env.ProcessInfo` of this process, with device and backend.
+
+    Example::
+
+        info = lockstep.init_distributed()
+        model = lockstep.DistributedDataParallel(Net().to(info.device))
+    """
+    if dist.is_initialized():
+        return current_process_info()
+    info = detect_process_info()
+    dev = torch.device(device) if device is not None else pick_device(info.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend or default_backend(dev)
+    if info.source == "single":
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        # torchrun's env:// reuses the elastic agent's store; SLURM has no variables for it.
+        init_method = (
+            "env://" if info.source == "torchrun" else f"tcp://{info.master_addr}:{info.master_port}"
+        )
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+        )
+    logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
+    return replace(info, device=dev, backend=backend)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default group if there is one; safe to call twice."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""Who am I: this process's place in the job, read once from what the launcher set.
+
+Launchers announce a worker's place through environment variables. torchrun (and
+``lockstep run``) set ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``;
+SLURM's ``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_NODELIST``.
+With neither, the process is a world of one. Everything here is pure logic on a mapping,
+so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+__all__ = ["ProcessInfo", "detect_process_info", "expand_slurm_nodelist", "default_backend"]
+
+# SLURM gives no port; derive one from the job id so every task of a job agrees on it
+# without talking, and two jobs sharing a node rarely collide.
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """An immutable description of this process in the job.
+
+    Attributes:
+        rank: global rank, in ``[0, world_size)``.
+        local_rank: rank among the workers on this machine (picks the GPU).
+        world_size: number of workers in the job.
+        local_world_size: number of workers on this machine.
+        master_addr: host of the rendezvous store (rank 0's machine).
+        master_port: port of the rendezvous store.
+        source: who set the environment: ``"torchrun"``, ``"slurm"`` or ``"single"``.
+        device: this rank's device, once :func:`lockstep.init_distributed` chose it.
+        backend: the process group backend (``"gloo"``/``"nccl"``), once initialised.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    source: str = "single"
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints and writes."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list, e.g. ``"gpu[01-03,07],cpu1"``.
+
+    Returns:
+        The host names in order: ``["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]``.
+    """
+    hosts: list[str] = []
+    # Split on commas that are not inside brackets.
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{part}{suffix}")
+    if not hosts:
+        raise ValueError(f"SLURM_NODELIST={nodelist!r} names no host")
+    return hosts
+
+
+def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo:
+    """Read this process's place in the job from the environment.
+
+    torchrun's variables win over SLURM's (torchrun started inside an allocation sets both).
+
+    Raises:
+        ValueError: a variable is malformed, or the rank lies outside the world.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500
+        info = ProcessInfo(rank, local_rank, world, local_world, addr, port, "torchrun")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        local_world = int(tasks_per_node) if tasks_per_node.isdigit() else max(local_rank + 1, 1)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        addr = env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0]
+        if "MASTER_PORT" in env:
+            port = _int(env, "MASTER_PORT")
+        else:
+            job = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+            port = _SLURM_PORT_BASE + job % _SLURM_PORT_SPAN
+        info = ProcessInfo(rank, local_rank, world, local_world, addr, port, "slurm")
+    else:
+        return ProcessInfo()
+    if info.world_size < 1:
+        raise ValueError(f"world size must be at least 1, the environment says {info.world_size}")
+    if not 0 <= info.rank < info.world_size:
+        raise ValueError(
+            f"rank {info.rank} is outside [0, {info.world_size}): check RANK/SLURM_PROCID "
+            "against WORLD_SIZE/SLURM_NTASKS"
+        )
+    return info
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -1,0 +1,162 @@
+"""Start worker processes from Python (notebooks, tests) as a launcher would.
+
+Each worker gets torchrun's environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` on
+loopback, a free ``MASTER_PORT``...), so the function it runs calls
+:func:`lockstep.init_distributed` exactly as a script under ``lockstep run`` does. A worker's
+exception comes back to the caller with its traceback and rank; once one worker fails, the
+others are stopped instead of being left to wait in a collective.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+__all__ = ["spawn", "WorkerError", "find_free_port"]
+
+# How long survivors get to finish on their own once a peer failed, before being killed.
+_GRACE_AFTER_FAILURE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised, died or ran out of time; ``rank`` names it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, args: Sequence, env: dict, results: Any) -> None:
+    os.environ.update(env)
+    try:
+        value = fn(rank, *args)
+        results.put((rank, True, value))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_env(rank: int, nprocs: int, port: int, threads: int | None) -> dict[str, str]:
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = 300.0,
+    start_method: str = "spawn",
+    threads_per_worker: int | None = 1,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes that form one world on loopback.
+
+    ``fn`` must be importable (defined at module level) because workers are new interpreters.
+
+    Args:
+        fn: the worker function; call :func:`lockstep.init_distributed` inside it.
+        nprocs: number of workers (the world size).
+        args: extra positional arguments, pickled to every worker.
+        timeout: seconds before every worker is killed and :class:`WorkerError` raised
+            (``None`` waits forever).
+        start_method: ``"spawn"`` (safe everywhere) or ``"forkserver"``.
+        threads_per_worker: ``OMP_NUM_THREADS`` for each worker (``None`` leaves it).
+
+    Returns:
+        Each rank's return value, indexed by rank.
+
+    Raises:
+        WorkerError: a worker raised (its traceback is in the message), died, or timed out.
+
+    Example::
+
+        def work(rank):
+            info = lockstep.init_distributed()
+            return info.rank
+
+        assert lockstep.spawn(work, 2) == [0, 1]
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = []
+    for rank in range(nprocs):
+        env = _worker_env(rank, nprocs, port, threads_per_worker)
+        proc = ctx.Process(target=_worker, args=(fn, rank, args, env, results), daemon=True)
+        proc.start()
+        procs.append(proc)
+    try:
+        return _collect(procs, results, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        results.close()
+
+
+def _collect(procs: list, results: Any, timeout: float | None) -> list[Any]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    failure: WorkerError | None = None
+    failed_at = 0.0
+    while len(values) < len(procs):
+        try:
+            rank, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            rank = None
+        if rank is not None:
+            if ok:
+                values[rank] = value
+            elif failure is None:
+                failure, failed_at = WorkerError(rank, f"rank {rank} raised {value}"), time.monotonic()
+            continue
+        if failure is not None:
+            if time.monotonic() - failed_at > _GRACE_AFTER_FAILURE_S:
+                raise failure
+            continue
+        for rank, proc in enumerate(procs):
+            if rank not in values and proc.exitcode is not None and results.empty():
+                # Died without reporting: killed by a signal or os._exit.
+                time.sleep(0.2)
+                if results.empty():
+                    code = proc.exitcode
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    raise WorkerError(rank, f"rank {rank} died with {how} before returning")
+        if deadline is not None and time.monotonic() > deadline:
+            missing = [r for r in range(len(procs)) if r not in values]
+            raise WorkerError(
+                missing[0], f"ranks {missing} did not finish within {timeout:.0f}s; all were killed"
+            )
+    if failure is not None:
+        raise failure
+    return [values[r] for r in range(len(procs))]
