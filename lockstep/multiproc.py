@@ -124,39 +124,53 @@ def spawn(
         results.close()
 
 
+def _dead_without_report(procs: list, reported: set[int]) -> WorkerError | None:
+    for rank, proc in enumerate(procs):
+        if rank not in reported and proc.exitcode is not None:
+            code = proc.exitcode
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            return WorkerError(rank, f"rank {rank} died with {how} before returning")
+    return None
+
+
 def _collect(procs: list, results: Any, timeout: float | None) -> list[Any]:
+    """Wait for every rank's result; on failure, name the root cause.
+
+    A rank that died without reporting (a signal, ``os._exit``) is the root cause over ranks
+    that raised afterwards, since their errors are usually the broken connection to it.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     values: dict[int, Any] = {}
-    failure: WorkerError | None = None
-    failed_at = 0.0
-    while len(values) < len(procs):
+    failures: list[WorkerError] = []
+    reported: set[int] = set()
+    failed_at: float | None = None
+    while len(reported) < len(procs):
         try:
             rank, ok, value = results.get(timeout=0.1)
-        except queue.Empty:
-            rank = None
-        if rank is not None:
+            reported.add(rank)
             if ok:
                 values[rank] = value
-            elif failure is None:
-                failure, failed_at = WorkerError(rank, f"rank {rank} raised {value}"), time.monotonic()
+            else:
+                failures.append(WorkerError(rank, f"rank {rank} raised {value}"))
+                failed_at = failed_at or time.monotonic()
             continue
-        if failure is not None:
-            if time.monotonic() - failed_at > _GRACE_AFTER_FAILURE_S:
-                raise failure
-            continue
-        for rank, proc in enumerate(procs):
-            if rank not in values and proc.exitcode is not None and results.empty():
-                # Died without reporting: killed by a signal or os._exit.
-                time.sleep(0.2)
-                if results.empty():
-                    code = proc.exitcode
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    raise WorkerError(rank, f"rank {rank} died with {how} before returning")
-        if deadline is not None and time.monotonic() > deadline:
-            missing = [r for r in range(len(procs)) if r not in values]
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if failed_at is None:
+            time.sleep(0.05)  # a result may still be in the pipe of a process that just exited
+            if results.empty() and _dead_without_report(procs, reported) is not None:
+                failed_at = now
+        if failed_at is not None and now - failed_at > _GRACE_AFTER_FAILURE_S:
+            break
+        if deadline is not None and now > deadline:
+            missing = [r for r in range(len(procs)) if r not in reported]
             raise WorkerError(
                 missing[0], f"ranks {missing} did not finish within {timeout:.0f}s; all were killed"
             )
-    if failure is not None:
-        raise failure
+    dead = _dead_without_report(procs, reported)
+    if dead is not None:
+        raise dead
+    if failures:
+        raise failures[0]
     return [values[r] for r in range(len(procs))]

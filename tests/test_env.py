@@ -1,0 +1,100 @@
+"""Who-am-I detection, init_distributed and spawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lockstep
+from lockstep.env import detect_process_info, expand_slurm_nodelist
+
+
+def test_no_launcher_is_a_world_of_one():
+    info = detect_process_info({})
+    assert (info.rank, info.world_size, info.source) == (0, 1, "single")
+
+
+def test_torchrun_variables():
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+    info = detect_process_info(env)
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (3, 1, 4, 2)
+    assert (info.master_addr, info.master_port, info.source) == ("node0", 1234, "torchrun")
+
+
+def test_slurm_variables():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_NODELIST": "gpu[03-04,09]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS_PER_NODE": "4(x2)"}
+    info = detect_process_info(env)
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (5, 1, 8, 4)
+    assert info.master_addr == "gpu03" and info.source == "slurm"
+    assert info.master_port == detect_process_info(dict(env, SLURM_PROCID="0")).master_port
+
+
+def test_torchrun_wins_over_slurm():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert detect_process_info(env).source == "torchrun"
+
+
+def test_expand_nodelist():
+    assert expand_slurm_nodelist("a[1-3],b07,c[08-10]x") == ["a1", "a2", "a3", "b07", "c08x", "c09x", "c10x"]
+
+
+@pytest.mark.parametrize("env, culprit", [
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is outside"),
+    ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x'"),
+])
+def test_bad_environment_is_named(env, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        detect_process_info(env)
+
+
+def test_init_distributed_single_process_twice():
+    first = lockstep.init_distributed()
+    try:
+        second = lockstep.init_distributed()
+        assert first.world_size == second.world_size == 1
+        assert first.backend == "gloo" and first.device == torch.device("cpu")
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        lockstep.shutdown_distributed()
+
+
+def _sum_of_ranks(rank, offset):
+    info = lockstep.init_distributed()
+    t = torch.tensor([float(info.rank)])
+    dist.all_reduce(t)
+    return info.rank, info.world_size, t.item() + offset
+
+
+def test_spawn_forms_one_world():
+    assert lockstep.spawn(_sum_of_ranks, 3, (10,), timeout=90) == [(r, 3, 13.0) for r in range(3)]
+
+
+def _rank1_raises(rank):
+    lockstep.init_distributed()
+    if rank == 1:
+        raise ValueError("deliberate failure on rank one")
+    dist.barrier()  # rank 0 would wait forever without spawn stopping it
+
+
+def test_spawn_carries_exception_and_stops_survivors():
+    with pytest.raises(lockstep.WorkerError, match="rank 1 raised ValueError: deliberate") as err:
+        lockstep.spawn(_rank1_raises, 2, timeout=90)
+    assert err.value.rank == 1
+
+
+def _rank0_dies(rank):
+    import os
+    lockstep.init_distributed()
+    if rank == 0:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_spawn_reports_a_dead_worker():
+    with pytest.raises(lockstep.WorkerError, match="rank 0 died with exit code 7"):
+        lockstep.spawn(_rank0_dies, 2, timeout=90)
