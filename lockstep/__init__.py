@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (one line each; add yours in place).
 _EXPORTS: dict[str, str] = {
+    "ZeroRedundancyOptimizer": "lockstep.zero.optimizer",
+    "DistributedSampler": "lockstep.sampler",
     "ProcessInfo": "lockstep.env",
     "init_distributed": "lockstep.distributed",
     "shutdown_distributed": "lockstep.distributed",

@@ -1,0 +1,96 @@
+"""Making every rank start from the same model: verify the parameter lists, then broadcast.
+
+Replicas that disagree on their parameters would all-reduce mismatched buffers: at best a
+hang, at worst silently wrong gradients. So construction first compares every rank's parameter
+list with rank 0's and fails on every rank with the same message, naming the first difference.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["parameter_signature", "first_mismatch", "verify_same_parameters", "broadcast_coalesced"]
+
+# Broadcast in chunks so that a huge model never needs a second full copy in one flat buffer.
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def parameter_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> Signature:
+    """What must agree across ranks: names, shapes and dtypes, in registration order."""
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in named_params]
+
+
+def first_mismatch(reference: Signature, other: Signature) -> str | None:
+    """Describe the first difference between two signatures, or ``None`` when equal."""
+    for (ref_name, ref_shape, ref_dtype), (name, shape, dtype) in zip(reference, other):
+        if ref_name != name:
+            return f"parameter {name!r} where rank 0 has {ref_name!r}"
+        if ref_shape != shape:
+            return f"parameter {name!r} has shape {list(shape)}, rank 0 has {list(ref_shape)}"
+        if ref_dtype != dtype:
+            return f"parameter {name!r} has dtype {dtype}, rank 0 has {ref_dtype}"
+    if len(reference) != len(other):
+        longer, extra = (reference, "rank 0 has") if len(reference) > len(other) else (other, "it has")
+        name = longer[min(len(reference), len(other))][0]
+        return (
+            f"{len(other)} parameters, rank 0 has {len(reference)} "
+            f"(first unmatched: {name!r}, which {extra})"
+        )
+    return None
+
+
+def verify_same_parameters(
+    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
+) -> None:
+    """Raise on every rank when any rank's parameters differ from rank 0's.
+
+    Raises:
+        ValueError: naming the first differing rank and parameter.
+    """
+    mine = parameter_signature(named_params)
+    world = dist.get_world_size(group)
+    everyone: list[Signature | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        diff = first_mismatch(everyone[0], theirs)
+        if diff is not None:
+            raise ValueError(
+                f"DistributedDataParallel: rank {rank} holds different parameters than rank 0: "
+                f"{diff}. Every rank must build the same model (same code, same arguments) "
+                "before wrapping it."
+            )
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup
+) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src``, few large messages, not many small."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_key.values():
+        for chunk in _chunks(group_tensors):
+            flat = _flatten_dense_tensors([t.detach() for t in chunk])
+            dist.broadcast(flat, src=src, group=group)
+            with torch.no_grad():
+                for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                    t.copy_(synced)
+
+
+def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        chunk.append(t)
+        size += t.numel() * t.element_size()
+        if size >= BROADCAST_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
