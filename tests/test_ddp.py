@@ -63,6 +63,19 @@ class MixedDtypes(nn.Module):
         return self.wide(self.big(x).double()).float()
 
 
+class OutOfOrder(nn.Module):
+    """Layers used in another order than registered: rebuilt buckets differ from the first ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 40)
+        self.b = nn.Linear(40, 3)
+        self.c = nn.Linear(10, 10)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(self.c(x))))
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
 
@@ -77,7 +90,7 @@ def _batches(kind: str, step: int, world: int):
     if kind == "tokens":
         x = torch.randint(0, 23, (world * 2, 7), generator=g)
         return x.chunk(world), x.roll(1, dims=1).chunk(world)
-    dims = {"mlp": (10, 3), "branchy": (6, 6), "mixed": (64, 8), "bn": (5, 2)}[kind]
+    dims = {"mlp": (10, 3), "ooo": (10, 3), "branchy": (6, 6), "mixed": (64, 8), "bn": (5, 2)}[kind]
     x, y = torch.randn(world * 3, dims[0], generator=g), torch.randn(world * 3, dims[1], generator=g)
     return x.chunk(world), y.chunk(world)
 
@@ -219,9 +232,21 @@ def _rebuild_follows_arrival() -> bool:
     return first[0] in (4, 5) and views_ok
 
 
+def _rebuild_changes_buckets() -> float:
+    torch.manual_seed(0)
+    ddp = lockstep.DistributedDataParallel(OutOfOrder(), bucket_cap_mb=0.0015)
+    before = [b.param_indices for b in ddp._reducer.buckets]
+    xs, ys = _batches("ooo", 0, dist.get_world_size())
+    F.mse_loss(ddp(xs[dist.get_rank()]), ys[dist.get_rank()]).backward()
+    after = [b.param_indices for b in ddp._reducer.buckets]
+    assert len(before) != len(after), (before, after)
+    return _equivalence("ooo", OutOfOrder, _sgd, bucket_cap_mb=0.0015)
+
+
 def _scenarios(rank: int) -> dict:
     lockstep.init_distributed()
     out = {
+        "rebuild_changes_buckets": _rebuild_changes_buckets(),
         "mlp": _equivalence("mlp", _mlp, _sgd),
         "mlp_small_buckets": _equivalence("mlp", _mlp, _sgd, bucket_cap_mb=0.001),
         "mlp_no_views": _equivalence("mlp", _mlp, _adam, gradient_as_bucket_view=False),
@@ -241,7 +266,7 @@ def _scenarios(rank: int) -> dict:
     return out
 
 
-EQUIVALENCE = ["mlp", "mlp_small_buckets", "mlp_no_views", "transformer_tied", "branchy_unused",
+EQUIVALENCE = ["rebuild_changes_buckets", "mlp", "mlp_small_buckets", "mlp_no_views", "transformer_tied", "branchy_unused",
                "branchy_unused_no_views", "mixed_dtypes"]
 
 

@@ -211,11 +211,11 @@ class Reducer:
             globally_unused = self._globally_unused(unready) if self.find_unused else set()
             if unready or not self.as_view:
                 self._publish_gradients(saved, globally_unused)
+            if not self._rebuilt:
+                self._rebuild_in_arrival_order()
         finally:
             self._active = False
-            self._reset_iteration()
-        if not self._rebuilt:
-            self._rebuild_in_arrival_order()
+            self._reset_iteration()  # after a rebuild: sized for the new buckets
         if self.clock is not None:
             self.clock.backward_ended()
 
