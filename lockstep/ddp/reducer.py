@@ -58,6 +58,8 @@ class Reducer:
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] = allreduce_hook
         self.comm_state: Any = group
         self.clock: StepClock | None = None
+        # Set by join(): rescales the mean when it must be over the active ranks only.
+        self.grad_scale = 1.0
         self._specs = [BucketSpec.of(p) for p in self.params]
         self._rebuilt = False
         self._arrival: list[int] = []
@@ -190,6 +192,8 @@ class Reducer:
                 result = result[0]
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
+            if self.grad_scale != 1.0:
+                bucket.buffer.mul_(self.grad_scale)
         if self.clock is not None:
             self.clock.add_exposed(time.perf_counter() - start)
 
@@ -248,6 +252,23 @@ class Reducer:
                     param.grad = view.clone()
                 else:
                     param.grad.copy_(view)
+
+    def shadow_backward(self) -> None:
+        """Issue this iteration's collectives with zero gradients (a rank that has joined).
+
+        Zeros go through the same comm hook, in the same bucket order, so stateful hooks and the
+        peers' all-reduces see exactly the sequence they expect.
+        """
+        last = len(self.buckets) - 1
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
+                                     bucket.index == last)
+            self.comm_hook(self.comm_state, grad_bucket).wait()
+        if self.find_unused:
+            self._globally_unused(list(range(len(self.params))))
+        if not self._rebuilt:
+            self._rebuild_in_arrival_order()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

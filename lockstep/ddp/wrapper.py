@@ -16,6 +16,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from lockstep.ddp.bucket import MB
+from lockstep.ddp.join import UnevenInputs
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import broadcast_coalesced, verify_same_parameters
 from lockstep.ddp.timing import StepClock, StepTiming
@@ -91,6 +92,7 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
         self._clock: StepClock | None = None
+        self._uneven: UnevenInputs | None = None
         named = _unique_trainable(module)
         if not named:
             raise RuntimeError(
@@ -135,7 +137,7 @@ class DistributedDataParallel(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         reducer, clock = self._reducer, self._clock
-        if reducer is None and clock is None and self.device_ids is None:
+        if reducer is None and clock is None and self.device_ids is None and self._uneven is None:
             return self.module(*inputs, **kwargs)
         if clock is not None:
             clock.forward_started()
@@ -143,11 +145,11 @@ class DistributedDataParallel(nn.Module):
             device = torch.device("cuda", self.device_ids[0]) if isinstance(
                 self.device_ids[0], int) else torch.device(self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        if reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            src = dist.get_global_rank(self.process_group, 0)
-            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
-        output = self.module(*inputs, **kwargs)
         grad_enabled = torch.is_grad_enabled()
+        if self._uneven is not None:
+            self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
+        self._sync_buffers()
+        output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync)
         if clock is not None:
@@ -155,6 +157,48 @@ class DistributedDataParallel(nn.Module):
             if grad_enabled:
                 _hook_first_tensor(output, clock, end_on_backward=reducer is None)
         return output
+
+    def _sync_buffers(self) -> None:
+        if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
+            src = dist.get_global_rank(self.process_group, 0)
+            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+
+    @contextlib.contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """Train on uneven inputs: a rank that runs out of batches shadows the others.
+
+        Wrap the whole training loop. At the end every rank holds the model of the rank that ran
+        the most iterations. Costs one tiny all-reduce per forward while enabled.
+
+        Args:
+            divide_by_initial_world_size: average over all ranks (True), or over the ranks that
+                still have inputs in each iteration (False).
+            enable: turn the context off without changing code.
+            throw_on_early_termination: instead, raise on every rank as soon as one runs out.
+
+        Example::
+
+            with model.join():
+                for x, y in loader:          # loaders of different lengths per rank
+                    ...
+        """
+        if not enable or self._reducer is None:
+            yield
+            return
+        state = UnevenInputs(self, divide_by_initial_world_size, throw_on_early_termination)
+        self._uneven = state
+        try:
+            yield
+            self._uneven = None  # this rank's own forwards are over: now it only shadows
+            state.shadow_until_all_joined()
+        finally:
+            self._uneven = None
+            self._reducer.grad_scale = 1.0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
