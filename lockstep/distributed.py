@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import replace
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -75,9 +78,10 @@ def init_distributed(
         torch.cuda.set_device(dev)
     backend = backend or default_backend(dev)
     if info.source == "single":
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+        with _gloo_on_loopback(backend):
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     else:
         # torchrun's env:// reuses the elastic agent's store; SLURM has no variables for it.
         init_method = (
@@ -92,6 +96,24 @@ def init_distributed(
         )
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
     return replace(info, device=dev, backend=backend)
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(backend: str) -> Iterator[None]:
+    """Make a world of one's gloo device bind to loopback, never to a public interface.
+
+    Gloo picks its interface from GLOO_SOCKET_IFNAME when the group is created; it is set only
+    for that moment, and only where the user has not chosen one.
+    """
+    loopback = "lo" if os.path.exists("/sys/class/net/lo") else None
+    if backend != "gloo" or loopback is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def shutdown_distributed() -> None:

@@ -98,3 +98,37 @@ def _rank0_dies(rank):
 def test_spawn_reports_a_dead_worker():
     with pytest.raises(lockstep.WorkerError, match="rank 0 died with exit code 7"):
         lockstep.spawn(_rank0_dies, 2, timeout=90)
+
+
+def _listening_ports_of_this_process() -> list[str]:
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{os.getpid()}/fd"):
+        try:
+            target = os.readlink(f"/proc/{os.getpid()}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    local = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    local.append(fields[1].split(":")[0])
+    return local
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="needs Linux /proc")
+def test_world_of_one_listens_on_loopback_only():
+    lockstep.init_distributed()
+    try:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        addresses = _listening_ports_of_this_process()
+        # 0100007F is 127.0.0.1 in /proc's little-endian hex; IPv6 loopback is ...01000000.
+        assert all(a in ("0100007F", "00000000000000000000000001000000") for a in addresses), addresses
+    finally:
+        lockstep.shutdown_distributed()
