@@ -103,11 +103,11 @@ class DistributedDataParallel(nn.Module):
         self._check_devices(named)
         self._buffers_to_sync = [b for b in module.buffers()]
         self._reducer: Reducer | None = None
+        self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
         if self.world_size > 1:
             verify_same_parameters(list(module.named_parameters()), self.process_group)
-            src = dist.get_global_rank(self.process_group, 0)
             state = [p.data for p in module.parameters()] + self._buffers_to_sync
-            broadcast_coalesced(state, src, self.process_group)
+            broadcast_coalesced(state, self._src, self.process_group)
             cap = int((bucket_cap_mb if bucket_cap_mb is not None else 25) * MB)
             self._reducer = Reducer(
                 [p for _, p in named], [n for n, _ in named], self.process_group, cap,
@@ -160,8 +160,7 @@ class DistributedDataParallel(nn.Module):
 
     def _sync_buffers(self) -> None:
         if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            src = dist.get_global_rank(self.process_group, 0)
-            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+            broadcast_coalesced(self._buffers_to_sync, self._src, self.process_group)
 
     @contextlib.contextmanager
     def join(
