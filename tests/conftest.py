@@ -13,6 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Multi-rank tests start many small worlds: fork them from a server that imported torch once
+# instead of starting a fresh interpreter per rank (about 1.5 s of CPU each on this machine).
+os.environ.setdefault("LOCKSTEP_START_METHOD", "forkserver")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
