@@ -1,0 +1,88 @@
+"""ZeRO-2: reduce each gradient to the rank that owns its parameter, and drop it elsewhere.
+
+An all-reduce hands every rank the whole averaged gradient, though each rank only steps its
+shard. Reducing each owner's bucket to that owner instead moves about half the bytes (a
+reduce-scatter rather than a reduce-scatter plus an all-gather) and leaves each rank holding
+gradients for about ``1/world_size`` of the parameters between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lockstep.zero.broadcast import OwnerBucket
+
+__all__ = ["reduce_to_owners", "grad_bytes"]
+
+
+@torch.no_grad()
+def reduce_to_owners(
+    buckets: Sequence[OwnerBucket], rank: int, group: dist.ProcessGroup | None, ranks: list[int]
+) -> None:
+    """Average each bucket's local gradients over ranks onto its owner; others set ``grad=None``.
+
+    A parameter without a gradient on some ranks counts as zero there; one without a gradient
+    on every rank keeps ``grad=None`` (so the optimizer skips it, as it would without ZeRO).
+
+    Args:
+        buckets: the owners' buckets, in the same order on every rank.
+        rank: this process's rank in ``group``.
+        group: the process group (``None``: the default group).
+        ranks: global rank of each group rank.
+
+    Raises:
+        RuntimeError: a parameter has a sparse gradient (only dense ones can be sharded).
+    """
+    params = [p for bucket in buckets for p in bucket.params]
+    if not params:
+        return
+    present = _present_anywhere(params, group)
+    world = dist.get_world_size(group)
+    for bucket in buckets:
+        live = [p for p in bucket.params if present[id(p)]]
+        if not live:
+            continue
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in live])
+        # Divide before the sum, as the all-reduce hook does, so fp16 sums do not overflow.
+        flat.div_(world)
+        dist.reduce(flat, dst=ranks[bucket.owner], op=dist.ReduceOp.SUM, group=group)
+        if bucket.owner == rank:
+            _write_grads(flat, live)
+        else:
+            for p in bucket.params:
+                p.grad = None
+
+
+def grad_bytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients these parameters hold right now."""
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
+
+def _present_anywhere(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> dict:
+    """For each parameter (by id), whether any rank has a gradient for it: one small all-reduce."""
+    for index, p in enumerate(params):
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {index} (shape {tuple(p.shape)}) has a sparse gradient; "
+                "reduce_gradients=True needs dense gradients (e.g. nn.Embedding(sparse=False))"
+            )
+    flags = torch.tensor(
+        [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return {id(p): bool(flag) for p, flag in zip(params, flags.tolist())}
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _write_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        if p.grad is None:
+            p.grad = chunk.view_as(p).clone()
+        else:
+            p.grad.copy_(chunk.view_as(p))
