@@ -405,3 +405,35 @@ def test_register_comm_hook_twice_is_an_error(world1):
     model.register_comm_hook(None, allreduce_hook)
     with pytest.raises(RuntimeError, match="only once"):
         model.register_comm_hook(None, allreduce_hook)
+
+
+# ---- GPU variants (skipped without CUDA) ---------------------------------------------------------
+def _gpu_scenarios(rank: int) -> dict:
+    info = lockstep.init_distributed()
+    assert info.backend == "nccl" and info.device.type == "cuda"
+    torch.manual_seed(0)
+    model = _mlp().to(info.device)
+    reference = copy.deepcopy(model)
+    ddp = lockstep.DistributedDataParallel(model, device_ids=[info.local_rank], bucket_cap_mb=0.001)
+    world = dist.get_world_size()
+    for step in range(STEPS):
+        xs, ys = _batches("mlp", step, world)
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(ddp(xs[rank]).float(), ys[rank].to(info.device))
+        loss.backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = sum(F.mse_loss(reference(xs[r].to(info.device)).float(), ys[r].to(info.device))
+                      for r in range(world)) / world
+        ref.backward()
+        diff = max((a.grad - b.grad).abs().max().item()
+                   for a, b in zip(model.parameters(), reference.parameters()))
+    return {"grad_diff": diff}
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_matches_reference():
+    world = min(torch.cuda.device_count(), 2)
+    for result in lockstep.spawn(_gpu_scenarios, world, timeout=120):
+        assert result["grad_diff"] < 1e-2, result
