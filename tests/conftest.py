@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  - imported by the first optimizer step; it sets TORCHINDUCTOR_CACHE_DIR
 import torch.distributed as dist
 
 # Multi-rank tests start many small worlds: fork them from a server that imported torch once

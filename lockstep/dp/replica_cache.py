@@ -1,0 +1,53 @@
+"""Keep inference replicas between forwards; copy the model again only when it changed.
+
+Torch's DataParallel copies every parameter to every device at every forward, even under
+``torch.no_grad()`` where nothing needs a fresh autograd graph. Here the replicas built without
+autograd are kept, keyed by each parameter's and buffer's identity, storage and version counter
+(bumped by every in-place update: optimizer steps, ``load_state_dict``, BatchNorm statistics)
+and by the train/eval flags, and rebuilt only when that key changes.
+
+Limit: writes through ``tensor.data`` do not bump the version counter; call :meth:`clear` after
+such a write (or build the wrapper with ``cache_replicas=False``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from lockstep.dp.replicate import replicate
+
+__all__ = ["ReplicaCache", "state_key"]
+
+
+def state_key(module: nn.Module) -> tuple[Any, ...]:
+    """What has to be equal for a replica of ``module`` to still be a faithful copy."""
+    # _version is the counter autograd itself uses to spot in-place writes.
+    tensors = tuple(
+        (id(t), t.data_ptr(), t._version) for t in [*module.parameters(), *module.buffers()]
+    )
+    return tensors, tuple(m.training for m in module.modules())
+
+
+class ReplicaCache:
+    """Replicas of one module made without autograd, rebuilt when the module changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._replicas: list[nn.Module] = []
+
+    def get(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+        """Replicas of ``module`` on ``devices`` (detached), reusing the last ones if still current."""
+        key = (state_key(module), tuple(devices))
+        if key != self._key:
+            self.clear()  # drop the stale copies before making new ones: peak memory
+            self._replicas = replicate(module, devices, detach=True)
+            self._key = key
+        return self._replicas
+
+    def clear(self) -> None:
+        """Forget the replicas (and free their memory on the other devices)."""
+        self._key = None
+        self._replicas = []

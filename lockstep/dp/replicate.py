@@ -1,0 +1,155 @@
+"""Copy a module onto several devices so that autograd sums every replica's gradient back.
+
+The first replica is the module itself: it already lives on the first device, and its buffers
+are the originals, so in-place buffer updates (BatchNorm running statistics) land in the module
+from the first replica only, as with torch's DataParallel. Every other replica is a shallow copy
+of each submodule whose parameters are views of one flat copy per dtype: the module's
+parameters are concatenated once (``torch.cat``) and that buffer is copied once per device, so a
+model of a thousand tensors costs one copy per device, not a thousand. Both ``cat`` and ``to``
+are recorded by autograd, so backward through any replica accumulates into the original
+parameters' ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence, TypeVar
+
+import torch
+from torch import nn
+
+from lockstep.dp.scatter_gather import DeviceLike, _as_device
+
+__all__ = ["replicate", "check_module_device"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -> list[M]:
+    """One replica of ``network`` per device; the first is ``network`` itself.
+
+    Args:
+        network: the module, with all parameters and buffers on ``devices[0]``.
+        devices: one device per replica (the same device may repeat, as with ``['cpu', 'cpu']``).
+        detach: copy without recording autograd (inference); replicas then carry no gradient.
+
+    Returns:
+        The replicas, in device order.
+
+    Raises:
+        ValueError: a parameter or buffer of ``network`` is not on ``devices[0]``.
+
+    Example:
+        >>> a, b = replicate(nn.Linear(2, 2), ["cpu", "cpu"])
+        >>> a.weight is not b.weight and torch.equal(a.weight, b.weight)
+        True
+    """
+    devs = [_as_device(d) for d in devices]
+    if not devs:
+        raise ValueError("replicate() needs at least one device")
+    check_module_device(network, devs[0])
+    if len(devs) == 1:
+        return [network]
+    modules = list(network.modules())
+    params = [(m, name, t) for m in modules for name, t in m._parameters.items() if t is not None]
+    buffers = [(m, name, t) for m in modules for name, t in m._buffers.items() if t is not None]
+    # Tied tensors (one parameter in two modules) are copied once and stay tied in the replicas.
+    unique_params = list({id(t): t for _, _, t in params}.values())
+    unique_buffers = list({id(t): t for _, _, t in buffers}.values())
+    param_copies = _copy_coalesced(unique_params, devs[1:], share_same_device=True, detach=detach)
+    # Buffers are mutated in place by some forwards, so replicas on one device need their own.
+    buffer_copies = _copy_coalesced(unique_buffers, devs[1:], share_same_device=False, detach=True)
+    replicas: list[M] = [network]
+    for k in range(len(devs) - 1):
+        clones = {id(m): _shallow_copy(m) for m in modules}
+        for m in modules:
+            clones[id(m)]._modules = OrderedDict(
+                (name, None if child is None else clones[id(child)])
+                for name, child in m._modules.items()
+            )
+        for m, name, t in params:
+            # A plain tensor (not an nn.Parameter) with a grad_fn: assigned through the dict
+            # because Module.__setattr__ only accepts Parameters in that slot.
+            clones[id(m)]._parameters[name] = param_copies[id(t)][k]
+        for m, name, t in buffers:
+            clones[id(m)]._buffers[name] = buffer_copies[id(t)][k]
+        for clone in clones.values():
+            _refresh_cached_references(clone)
+        replicas.append(clones[id(network)])  # type: ignore[arg-type]
+    return replicas
+
+
+def check_module_device(network: nn.Module, device: torch.device) -> None:
+    """Raise ValueError naming the first parameter or buffer of ``network`` not on ``device``."""
+    # Runs on every forward: compare devices first, and look names up only to report a culprit.
+    if all(t.device == device for t in network.parameters()) and all(
+        t.device == device for t in network.buffers()
+    ):
+        return
+    named_tensors = (("parameter", network.named_parameters()), ("buffer", network.named_buffers()))
+    for kind, named in named_tensors:
+        for name, tensor in named:
+            if not _same_device(tensor.device, device):
+                raise ValueError(
+                    f"{kind} {name!r} is on {tensor.device} but DataParallel needs the module on "
+                    f"device_ids[0] = {device}; call module.to({str(device)!r}) before wrapping it"
+                )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # 'cuda' without an index means the current device; compare the resolved index.
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        a_index = a.index if a.index is not None else current
+        return a_index == (b.index if b.index is not None else current)
+    return a.index == b.index or a.type == "cpu"
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing ``module``'s attributes, hooks and class, with fresh slots."""
+    clone = module.__new__(type(module))
+    clone.__dict__ = module.__dict__.copy()
+    clone._parameters = OrderedDict()
+    clone._buffers = OrderedDict()
+    clone._modules = OrderedDict()
+    return clone
+
+
+def _refresh_cached_references(clone: nn.Module) -> None:
+    """Point lists that a module keeps of its own parameters at the replica's copies.
+
+    torch's RNNs (LSTM, GRU, RNN) run from ``_flat_weights``, a list of their parameters made at
+    construction; the shallow copy would still share the original list of original tensors.
+    """
+    if isinstance(clone, nn.RNNBase):
+        clone.__dict__["_flat_weights"] = [
+            clone._parameters.get(name) for name in clone._flat_weights_names
+        ]
+
+
+def _copy_coalesced(
+    tensors: list[torch.Tensor], devices: list[torch.device], *, share_same_device: bool, detach: bool
+) -> dict[int, list[torch.Tensor]]:
+    """Each tensor's copy on every device, made through one flat copy per group and device.
+
+    Returns ``{id(tensor): [copy on devices[0], copy on devices[1], ...]}``. Tensors are grouped
+    by dtype and by whether they require grad, so a frozen parameter stays frozen in replicas.
+    With ``share_same_device``, a device equal to the source reuses the flat concatenation
+    itself (already a copy of the originals) instead of copying it again.
+    """
+    result: dict[int, list[torch.Tensor]] = {id(t): [] for t in tensors}
+    groups: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.requires_grad and not detach), []).append(t)
+    for (_, track), group in groups.items():
+        with torch.set_grad_enabled(torch.is_grad_enabled() and track):
+            flat = torch.cat([(t if track else t.detach()).reshape(-1) for t in group])
+            numels = [t.numel() for t in group]
+            for dev in devices:
+                reuse = share_same_device and dev == flat.device
+                copy_flat = flat if reuse else flat.to(dev, non_blocking=True, copy=True)
+                for t, piece in zip(group, copy_flat.split(numels)):
+                    result[id(t)].append(piece.view(t.shape))
+    return result

@@ -1,0 +1,229 @@
+"""Scatter inputs across devices and gather outputs back, through nested containers.
+
+Tensors are split along ``dim`` into one chunk per replica; tuples, lists, dicts, named tuples
+and dataclasses are walked recursively; any other value goes to every replica unchanged. Every
+move goes through ``Tensor.to`` and ``torch.cat``, so autograd follows it both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["scatter", "scatter_kwargs", "gather", "count_replicas", "move_to_device", "iter_tensors"]
+
+DeviceLike = torch.device | str | int
+
+
+def _rebuild(obj: Any, fn: Callable[[str, Any, Any], Any]) -> Any:
+    """``obj`` rebuilt from ``fn(label, key, member)`` per member; ``obj`` if not a container.
+
+    ``label`` names the member for error messages (``[0]``, ``['x']``, ``.field``); ``key`` fetches
+    it from a structure of the same shape (see :func:`_member`).
+    """
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(fn(f".{name}", i, v) for i, (name, v) in enumerate(zip(obj._fields, obj))))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(fn(f"[{i}]", i, v) for i, v in enumerate(obj))
+    if isinstance(obj, dict):
+        items = {k: fn(f"[{k!r}]", k, v) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:  # a mapping type whose constructor wants more (defaultdict...)
+            return items
+    if _is_dataclass_instance(obj):
+        changes = {
+            f.name: fn(f".{f.name}", f.name, getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def _member(obj: Any, key: Any) -> Any:
+    """The member of ``obj`` that :func:`_rebuild` passed with ``key``."""
+    return getattr(obj, key) if _is_dataclass_instance(obj) else obj[key]
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _is_container(obj: Any) -> bool:
+    return isinstance(obj, (tuple, list, dict)) or _is_dataclass_instance(obj)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``: the quick walk for checks on every forward (no paths)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def _leaves(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj`` with its path (``args[0]['x']``) for error messages."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def visit(label: str, _: Any, value: Any) -> Any:
+        found.extend(_leaves(value, path + label))
+        return value
+
+    _rebuild(obj, visit)
+    return found
+
+
+def count_replicas(obj: Any, n_devices: int, dim: int = 0) -> int:
+    """How many replicas a scatter of ``obj`` feeds: one per device, fewer for a small batch.
+
+    Raises:
+        ValueError: a tensor to split has no dimension ``dim`` or is empty along it.
+    """
+    sizes = []
+    for path, tensor in _leaves(obj, "inputs"):
+        if tensor.dim() == 0:
+            continue  # scalars go to every replica whole
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"cannot scatter {path} (shape {tuple(tensor.shape)}) along dim={dim}; "
+                             "pass a dim every input tensor has")
+        if tensor.size(dim) == 0:
+            raise ValueError(f"cannot scatter {path}: it is empty along dim={dim}")
+        sizes.append(tensor.size(dim))
+    return min([n_devices] + sizes)
+
+
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
+    """Split ``inputs`` into one piece per replica, each moved to its device.
+
+    Chunks differ in size by at most one along ``dim``; a batch smaller than the device count
+    feeds only as many replicas as it has samples. Scalars and non-tensors go to every replica.
+
+    Args:
+        inputs: a tensor, or tuples/lists/dicts/dataclasses holding tensors.
+        target_devices: the devices, in replica order.
+        dim: the dimension to split along.
+
+    Returns:
+        One copy of the structure of ``inputs`` per replica.
+
+    Example:
+        >>> scatter((torch.arange(5),), ["cpu", "cpu"])
+        [(tensor([0, 1, 2]),), (tensor([3, 4]),)]
+    """
+    devices = [_as_device(d) for d in target_devices]
+    n = count_replicas(inputs, len(devices), dim)
+    return [_piece(inputs, i, n, dev, dim) for i, dev in enumerate(devices[:n])]
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_devices: Sequence[DeviceLike],
+    dim: int = 0,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """Scatter positional and keyword arguments together, so both feed the same replicas."""
+    both = scatter((tuple(inputs), dict(kwargs or {})), target_devices, dim)
+    return [args for args, _ in both], [kw for _, kw in both]
+
+
+def _piece(obj: Any, index: int, n: int, device: torch.device, dim: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        chunk = obj if obj.dim() == 0 else torch.tensor_split(obj, n, dim)[index]
+        return chunk.to(device, non_blocking=True)
+    return _rebuild(obj, lambda _l, _k, value: _piece(value, index, n, device, dim))
+
+
+def move_to_device(obj: Any, device: DeviceLike) -> Any:
+    """``obj`` with every tensor inside moved to ``device`` (no split): the one-replica scatter."""
+    dev = _as_device(device)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev, non_blocking=True)
+    return _rebuild(obj, lambda _l, _k, value: move_to_device(value, dev))
+
+
+def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
+    """Concatenate per-replica outputs on ``target_device`` along ``dim``, through containers.
+
+    Scalar tensors (a loss computed inside ``forward``) cannot be concatenated: they come back
+    as a vector with one entry per replica, with a warning, as torch's DataParallel does.
+    Non-tensor values equal on every replica come back once, others as a list per replica.
+
+    Raises:
+        ValueError: replicas returned different structures (dict keys, lengths, types).
+
+    Example:
+        >>> gather([torch.zeros(2), torch.ones(1)], "cpu")
+        tensor([0., 0., 1.])
+    """
+    return _gather(list(outputs), _as_device(target_device), dim, "output")
+
+
+def _gather(values: list[Any], device: torch.device, dim: int, path: str) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"replicas returned a tensor and a non-tensor at {path}")
+        moved = [v.to(device) for v in values]
+        if all(v.dim() == 0 for v in moved):
+            warnings.warn(
+                f"gathering scalars at {path}: returning a vector with one value per replica "
+                "(average it for a mean loss, or use DataParallel(loss_fn=...))",
+                stacklevel=4,
+            )
+            return torch.stack(moved)
+        return torch.cat(moved, dim)
+    if first is None or not _is_container(first):
+        return _gather_plain(values)
+    _check_same_shape(values, path)
+
+    def member(label: str, key: Any, _: Any) -> Any:
+        return _gather([_member(v, key) for v in values], device, dim, path + label)
+
+    return _rebuild(first, member)
+
+
+def _check_same_shape(values: list[Any], path: str) -> None:
+    first = values[0]
+    for i, v in enumerate(values[1:], start=1):
+        if type(v) is not type(first):
+            raise ValueError(
+                f"replica 0 returned {type(first).__name__} at {path} but replica {i} returned "
+                f"{type(v).__name__}; forward must return the same structure on every replica"
+            )
+        if isinstance(first, dict) and list(v) != list(first):
+            raise ValueError(
+                f"replicas returned different keys at {path}: {list(first)} vs {list(v)}"
+            )
+        if isinstance(first, (tuple, list)) and len(v) != len(first):
+            raise ValueError(
+                f"replicas returned different lengths at {path}: {len(first)} vs {len(v)}"
+            )
+
+
+def _gather_plain(values: list[Any]) -> Any:
+    try:
+        if all(v is values[0] or bool(v == values[0]) for v in values):
+            return values[0]
+    except (TypeError, ValueError, RuntimeError):  # values whose == is not a plain bool
+        pass
+    return list(values)
+
+
+def _as_device(device: DeviceLike) -> torch.device:
+    """Torch's DataParallel convention: an int is a CUDA index, -1 is the CPU."""
+    if isinstance(device, int):
+        return torch.device("cpu") if device == -1 else torch.device("cuda", device)
+    return torch.device(device)

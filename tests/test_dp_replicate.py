@@ -1,0 +1,116 @@
+"""replicate: copies autograd follows, coalesced per dtype, tied and frozen tensors, buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lockstep.dp.replicate import replicate
+
+CPU3 = ["cpu", "cpu", "cpu"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def test_replicas_hold_equal_copies_and_the_first_is_the_module():
+    model = _model()
+    replicas = replicate(model, CPU3)
+    assert replicas[0] is model
+    for rep in replicas[1:]:
+        assert type(rep) is nn.Sequential and type(rep[0]) is nn.Linear
+        for (name, a), b in zip(model.state_dict().items(), rep.state_dict().values()):
+            assert torch.equal(a, b), name
+            assert a.data_ptr() != b.data_ptr(), f"{name} is shared with the original"
+
+
+def test_backward_sums_every_replica_gradient_into_the_original():
+    model, x = _model().eval(), torch.randn(9, 4)
+    replicas = replicate(model, CPU3)
+    sum(rep(chunk).pow(2).sum() for rep, chunk in zip(replicas, x.chunk(3))).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_copies_are_coalesced_one_flat_storage_per_dtype():
+    model = _model()
+    rep = replicate(model, ["cpu", "cpu"])[1]
+    param_storages = {p.untyped_storage().data_ptr() for p in rep.parameters()}
+    assert len(param_storages) == 1
+    # float running stats share one storage, the int64 counter its own.
+    assert len({b.untyped_storage().data_ptr() for b in rep.buffers()}) == 2
+
+
+def test_buffers_are_private_per_replica_and_only_the_first_updates_the_module():
+    model = _model().train()
+    a, b = replicate(model, ["cpu", "cpu"])
+    before = model[1].running_mean.clone()
+    b(torch.randn(4, 4) + 5)
+    assert torch.equal(model[1].running_mean, before)
+    a(torch.randn(4, 4) + 5)
+    assert not torch.equal(model[1].running_mean, before)
+    assert b[1].running_mean.data_ptr() != a[1].running_mean.data_ptr()
+
+
+def test_tied_weights_stay_tied_and_frozen_stay_frozen():
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
+    model[1].weight = model[0].weight
+    model[1].bias.requires_grad_(False)
+    rep = replicate(model, ["cpu", "cpu"])[1]
+    assert rep[1].weight is rep[0].weight
+    assert not rep[1].bias.requires_grad and rep[0].weight.requires_grad
+
+
+def test_detach_makes_copies_without_autograd():
+    rep = replicate(_model(), ["cpu", "cpu"], detach=True)[1]
+    assert all(p.grad_fn is None and not p.requires_grad for p in rep.parameters())
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="at least one device"):
+        replicate(_model(), [])
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is on meta but DataParallel needs the module "
+                                         r"on device_ids\[0\] = cpu; call module.to\('cpu'\)"):
+        replicate(_model().to("meta"), CPU3)
+
+
+@pytest.mark.gpu
+def test_replicate_across_gpus_sums_gradients():
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    model = _model().eval().to(devices[0])
+    x = torch.randn(3 * len(devices), 4)
+    replicas = replicate(model, devices)
+    assert [next(r.parameters()).device for r in replicas] == devices
+    total = sum(rep(c.to(d)).pow(2).sum().to(devices[0]) for rep, c, d in zip(replicas, x.chunk(len(devices)), devices))
+    total.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x.to(devices[0])).pow(2).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_lstm_replicas_run_on_their_own_weights():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+    x = torch.randn(4, 5, 3)
+    replicas = replicate(lstm, ["cpu", "cpu"])
+    assert all(a is not b for a, b in zip(replicas[1]._flat_weights, lstm._flat_weights))
+    sum(rep(chunk)[0].sum() for rep, chunk in zip(replicas, x.chunk(2))).backward()
+    got = [p.grad.clone() for p in lstm.parameters()]
+    lstm.zero_grad()
+    lstm(x)[0].sum().backward()
+    for g, p in zip(got, lstm.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_replicas_list_their_parameters():
+    # A common forward idiom that replicas made by torch's DataParallel break (they list none).
+    rep = replicate(_model(), ["cpu", "cpu"])[1]
+    assert len(list(rep.parameters())) == 6 and next(rep.parameters()).grad_fn is not None
