@@ -60,7 +60,8 @@ def init_distributed(
     Args:
         backend: ``"nccl"``/``"gloo"``; by default NCCL for CUDA devices, gloo otherwise.
         timeout: how long a collective may wait for a peer before failing.
-        device: this rank's device; by default GPU ``local_rank`` when there are GPUs, else CPU.
+        device: this rank's device; by default ``LOCKSTEP_DEVICE`` when set (``cpu`` forces CPU
+            workers on a GPU machine), else GPU ``local_rank`` when there are GPUs, else CPU.
 
     Returns:
         The :class:`~lockstep.env.ProcessInfo` of this process, with device and backend.
@@ -73,6 +74,8 @@ def init_distributed(
     if dist.is_initialized():
         return current_process_info()
     info = detect_process_info()
+    if device is None and os.environ.get("LOCKSTEP_DEVICE"):
+        device = os.environ["LOCKSTEP_DEVICE"]  # e.g. force CPU workers on a GPU machine
     dev = torch.device(device) if device is not None else pick_device(info.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -47,7 +48,9 @@ def _worker(fn: Callable, rank: int, args: Sequence, env: dict, results: Any) ->
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         value = fn(rank, *args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data into the message; multiprocessing's own pickler would
+        # send a handle to this worker's shared memory, which dies with the worker.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
     finally:
@@ -72,6 +75,8 @@ def _worker_env(rank: int, nprocs: int, port: int, threads: int | None) -> dict[
     })
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
+    if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # a one-machine world talks over loopback only
     return env
 
 
@@ -164,7 +169,7 @@ def _collect(procs: list, results: Any, timeout: float | None) -> list[Any]:
             rank, ok, value = results.get(timeout=0.1)
             reported.add(rank)
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 failures.append(WorkerError(rank, f"rank {rank} raised {value}"))
                 failed_at = failed_at or time.monotonic()

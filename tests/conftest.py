@@ -17,6 +17,8 @@ import torch.distributed as dist
 # Multi-rank tests start many small worlds: fork them from a server that imported torch once
 # instead of starting a fresh interpreter per rank (about 1.5 s of CPU each on this machine).
 os.environ.setdefault("LOCKSTEP_START_METHOD", "forkserver")
+# Multi-rank tests run gloo on CPU even on a GPU machine; GPU tests ask for CUDA explicitly.
+os.environ.setdefault("LOCKSTEP_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -409,7 +409,7 @@ def test_register_comm_hook_twice_is_an_error(world1):
 
 # ---- GPU variants (skipped without CUDA) ---------------------------------------------------------
 def _gpu_scenarios(rank: int) -> dict:
-    info = lockstep.init_distributed()
+    info = lockstep.init_distributed(device=f"cuda:{rank}")
     assert info.backend == "nccl" and info.device.type == "cuda"
     torch.manual_seed(0)
     model = _mlp().to(info.device)

@@ -1,0 +1,217 @@
+"""Train a small character-level GPT on Python's standard library, data-parallel on N workers.
+
+The same file runs unchanged in every way a job starts::
+
+    lockstep run --nproc-per-node 2 examples/train_gpt.py     # 2 CPU workers, or one per GPU
+    torchrun --nproc-per-node 2 examples/train_gpt.py          # torch's own launcher
+    srun -n 4 python examples/train_gpt.py                     # SLURM
+    python examples/train_gpt.py                               # a world of one
+
+Rank 0 shows a progress bar with the loss and tokens/s, evaluates the validation loss on
+held-out standard-library files, and at the end prints a summary and writes ``loss.png`` and
+``metrics.json`` to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from chargpt import GPT, BlockDataset, GPTConfig, Vocab, load_corpus
+from torch.utils.data import Subset
+
+import lockstep
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--max-steps", type=int, default=250, help="optimizer steps (default: 250)")
+    add("--batch-size", type=int, default=16, help="sequences per step on each worker")
+    add("--block-size", type=int, default=128, help="characters of context")
+    add("--n-layer", type=int, default=4)
+    add("--n-head", type=int, default=4)
+    add("--n-embd", type=int, default=128)
+    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    add("--warmup-steps", type=int, default=20)
+    add("--eval-interval", type=int, default=50, help="steps between validation runs")
+    add("--eval-blocks", type=int, default=128, help="held-out sequences per validation run")
+    add("--log-interval", type=int, default=10, help="steps between loss averages over ranks")
+    add("--max-files", type=int, default=None, help="read only the first N stdlib files")
+    add("--sample-chars", type=int, default=200, help="characters to generate at the end")
+    add("--device", default=None, help="e.g. cpu; by default this worker's GPU, else the CPU")
+    add("--seed", type=int, default=0)
+    add("--out-dir", type=Path, default=Path("runs/demo"))
+    args = parser.parse_args(argv)
+    for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@torch.no_grad()
+def evaluate(rt: lockstep.Runtime, model: torch.nn.Module, loader, total: int) -> float:
+    """Mean validation loss over every held-out sequence, each counted exactly once."""
+    model.eval()
+    losses = []
+    for x, y in loader:
+        logits = model(x)
+        per_token = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+        losses.append(per_token.mean(dim=1))
+    model.train()
+    # Ranks' shards are padded to equal length; gather_for_eval drops the repeats.
+    return rt.gather_for_eval(torch.cat(losses), total).mean().item()
+
+
+def build(rt: lockstep.Runtime, args: argparse.Namespace):
+    """The data loaders and the (wrapped) model, the same on every rank."""
+    vocab = Vocab()
+    corpus = load_corpus(args.max_files)
+    train_set = BlockDataset(vocab.encode(corpus.train_text()), args.block_size)
+    val_blocks = BlockDataset(vocab.encode(corpus.val_text()), args.block_size)
+    val_set = Subset(val_blocks, range(min(args.eval_blocks, len(val_blocks))))
+    train_loader = rt.dataloader(train_set, args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
+    val_loader = rt.dataloader(val_set, args.batch_size)
+    rt.print(
+        f"data: {len(corpus.train_files)} train / {len(corpus.val_files)} validation files from "
+        f"{corpus.root}, {len(train_set) * args.block_size:,} train characters, vocab {len(vocab)}"
+    )
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts anyway)
+    cfg = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.n_embd)
+    model = rt.wrap(GPT(cfg))
+    return vocab, train_loader, val_loader, val_set, model
+
+
+def batches(loader):
+    """Endless batches, reshuffled each epoch."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
+    vocab, train_loader, val_loader, val_set, model = build(rt, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args))
+    tokens_per_step = args.batch_size * args.block_size * rt.world_size
+    history = {"train": [], "val": [(0, evaluate(rt, model, val_loader, len(val_set)))]}
+    shown = {"loss": "-", "tok/s": "-", "val_loss": f"{history['val'][0][1]:.3f}"}
+    bar = rt.progress(total=args.max_steps, desc=f"training on {rt.world_size} worker(s)", unit="step")
+    train_time, window_loss, window_steps, clock = 0.0, 0.0, 0, time.perf_counter()
+    for step, (x, y) in enumerate(batches(train_loader), start=1):
+        loss = F.cross_entropy(model(x).transpose(1, 2), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+        evaluating = step % args.eval_interval == 0 or step == args.max_steps
+        if evaluating or step == 1 or step % args.log_interval == 0:
+            mean_loss = rt.all_reduce(window_loss / window_steps)  # every rank's batches
+            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
+            train_time += elapsed
+            history["train"].append((step, mean_loss))
+            shown["loss"] = f"{mean_loss:.3f}"
+            shown["tok/s"] = f"{window_steps * tokens_per_step / elapsed:,.0f}"
+            window_loss, window_steps = 0.0, 0
+        if evaluating:
+            history["val"].append((step, evaluate(rt, model, val_loader, len(val_set))))
+            shown["val_loss"] = f"{history['val'][-1][1]:.3f}"
+            clock = time.perf_counter()  # evaluation is not training time
+        bar.set_postfix(shown, refresh=False)
+        bar.update()
+        if step == args.max_steps:
+            break
+    bar.close()
+    return {
+        "history": history, "train_time": train_time, "tokens_per_step": tokens_per_step,
+        "model": rt.unwrap(model), "vocab": vocab,
+    }
+
+
+def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: float) -> None:
+    """Rank 0: print the summary, write metrics.json and loss.png, show a sample."""
+    history = result["history"]
+    tokens = args.max_steps * result["tokens_per_step"]
+    metrics = {
+        "world_size": rt.world_size,
+        "device": str(rt.device),
+        "parameters": sum(p.numel() for p in result["model"].parameters()),
+        "steps": args.max_steps,
+        "tokens_per_step": result["tokens_per_step"],
+        "tokens_seen": tokens,
+        "train_time_s": round(result["train_time"], 2),
+        "wall_time_s": round(wall, 2),
+        "tokens_per_s": round(tokens / result["train_time"], 1),
+        "first_step_train_loss": history["train"][0][1],
+        "final_train_loss": history["train"][-1][1],
+        "initial_val_loss": history["val"][0][1],
+        "final_val_loss": history["val"][-1][1],
+        "train_loss": history["train"],
+        "val_loss": history["val"],
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    plot_losses(history, args.out_dir / "loss.png", rt.world_size)
+    print(
+        f"\nworld size {rt.world_size} on {rt.device} | {metrics['parameters']:,} parameters | "
+        f"{args.max_steps} steps, {tokens:,} tokens in {result['train_time']:.1f}s of training "
+        f"({metrics['tokens_per_s']:,.0f} tokens/s), {wall:.1f}s in all\n"
+        f"train loss {metrics['first_step_train_loss']:.3f} -> {metrics['final_train_loss']:.3f} | "
+        f"validation loss {metrics['initial_val_loss']:.3f} -> {metrics['final_val_loss']:.3f}\n"
+        f"wrote {args.out_dir / 'metrics.json'} and {args.out_dir / 'loss.png'}"
+    )
+    if args.sample_chars > 0:
+        vocab, model = result["vocab"], result["model"]
+        model.eval()
+        prompt = vocab.encode("def ").unsqueeze(0).to(rt.device)
+        torch.manual_seed(args.seed)
+        print("sample:\n" + vocab.decode(model.generate(prompt, args.sample_chars)[0]))
+
+
+def plot_losses(history: dict, path: Path, world_size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*history["train"]), label="train (mean over ranks)")
+    ax.plot(*zip(*history["val"]), marker="o", label="validation (held-out files)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=f"char GPT, {world_size} worker(s)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    with lockstep.Runtime(device=args.device) as rt:
+        result = train(rt, args)
+        if rt.is_main:
+            report(rt, args, result, time.perf_counter() - start)
+        rt.barrier()  # nobody leaves while rank 0 still writes
+
+
+if __name__ == "__main__":
+    main()

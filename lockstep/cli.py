@@ -1,0 +1,71 @@
+"""The ``lockstep`` command line: ``lockstep run [torchrun's flags] script.py [args]``.
+
+Each subcommand adds its arguments to the parser and names the function that runs it, so
+later subcommands slot in beside ``run``.
+
+Example::
+
+    lockstep run --nproc-per-node 2 train.py --epochs 3
+    python -m lockstep run --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --nproc-per-node auto train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+_RUN_EPILOG = """\
+Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so a script that calls
+lockstep.init_distributed() runs unchanged under lockstep run, torchrun, srun or plain python.
+On one machine every port lockstep opens listens on 127.0.0.1 only."""
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Imported here so `lockstep --help` does not pay for torch.distributed.elastic.
+    from lockstep.launcher.config import plan_from_args
+    from lockstep.launcher.run import launch
+
+    try:
+        plan = plan_from_args(args)
+    except ValueError as err:
+        print(f"lockstep run: error: {err}", file=sys.stderr)
+        return 2
+    return launch(plan)
+
+
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    from lockstep.launcher.config import add_run_arguments
+
+    parser = subparsers.add_parser(
+        "run",
+        help="run a training script on several workers (torchrun's flags)",
+        description="Run TRAINING_SCRIPT on --nproc-per-node workers on each of --nnodes machines.",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_arguments(parser)
+    parser.set_defaults(handler=_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lockstep`` parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="lockstep", description="Data-parallel training for PyTorch."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lockstep`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.handler(args)

@@ -1,0 +1,113 @@
+"""Metric all-reduce and evaluation gathering, the two collectives every training script writes.
+
+Both take ``group=None`` (the default group) and a ``device`` for the collective itself, since
+NCCL only moves CUDA tensors while gloo is happiest with CPU ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sized
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Metric", "all_reduce_metrics", "gather_for_eval"]
+
+Metric = torch.Tensor | float | int
+_OPS = {
+    "mean": dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def _restore(reduced: torch.Tensor, original: Metric, op: str) -> Metric:
+    if not isinstance(original, torch.Tensor):
+        return reduced.item()
+    out = reduced.reshape(original.shape)
+    # A mean of integers is not an integer; everything else keeps its dtype and device.
+    if op == "mean" and not original.is_floating_point():
+        return out.to(original.device)
+    return out.to(device=original.device, dtype=original.dtype)
+
+
+def all_reduce_metrics(
+    value: Metric | Mapping[str, Metric],
+    op: str = "mean",
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> Metric | dict[str, Metric]:
+    """Reduce a metric (or a dict of them) over the ranks of ``group`` in one collective.
+
+    Args:
+        value: a tensor, a Python number, or a mapping of names to either.
+        op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+        group: the process group; ``None`` is the default group.
+        device: where the collective runs (a CUDA device with NCCL).
+
+    Returns:
+        The same structure: numbers come back as floats, tensors with their shape and device.
+
+    Raises:
+        ValueError: an unknown ``op``.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    items = dict(value) if isinstance(value, Mapping) else {"": value}
+    flat = [
+        torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v, dtype=torch.float64)
+        .reshape(-1)
+        .to(device)
+        for v in items.values()
+    ]
+    packed = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
+    dist.all_reduce(packed, op=_OPS[op], group=group)
+    if op == "mean":
+        packed /= dist.get_world_size(group)
+    parts = packed.split([t.numel() for t in flat])
+    out = {name: _restore(part, items[name], op) for name, part in zip(items, parts)}
+    return out if isinstance(value, Mapping) else out[""]
+
+
+def gather_for_eval(
+    tensor: torch.Tensor,
+    total: int | Sized,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Gather per-sample results from every rank, in sampler order, without the padding.
+
+    Each rank passes the results of its whole shard of a :class:`lockstep.DistributedSampler`
+    (one row per sample, in the order the sampler gave them). Rank ``r``'s ``j``-th sample is
+    position ``j * world + r`` of the sampler's global order, so interleaving the ranks restores
+    that order; positions past the dataset's length are the sampler's padded repeats and are
+    dropped. With ``shuffle=False`` the result is in dataset order.
+
+    Args:
+        tensor: this rank's results, first dimension one row per sample.
+        total: the dataset (or its length).
+        group: the process group; ``None`` is the default group.
+        device: where the collective runs (a CUDA device with NCCL).
+
+    Returns:
+        A tensor of ``min(len(dataset), world * rows)`` rows, on ``tensor``'s device.
+
+    Raises:
+        ValueError: ranks passed different numbers of rows or different row shapes.
+    """
+    world = dist.get_world_size(group)
+    shapes: list[tuple[int, ...] | None] = [None] * world
+    dist.all_gather_object(shapes, tuple(tensor.shape), group=group)
+    if len(set(shapes)) != 1:
+        raise ValueError(
+            f"gather_for_eval needs the same shape on every rank, got {shapes} by rank: give "
+            "each rank an equal shard (lockstep.DistributedSampler does) and pass all of it"
+        )
+    local = tensor.detach().to(device).contiguous()
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    # stack -> [world, rows, ...]; transposing interleaves ranks back into sampler order.
+    ordered = torch.stack(gathered).transpose(0, 1).reshape(-1, *local.shape[1:])
+    length = len(total) if hasattr(total, "__len__") else int(total)
+    return ordered[:length].to(tensor.device)

@@ -1,0 +1,242 @@
+"""DistributedSampler: each rank reads its own equal, disjoint shard of a dataset.
+
+A drop-in for ``torch.utils.data.DistributedSampler``: same arguments, and for the same
+arguments the very same indices on every rank. Beyond torch's, it resumes mid-epoch
+(:meth:`DistributedSampler.state_dict` records the epoch and how many samples the whole job has
+consumed, so a job may resume on a different number of ranks), and it warns once when a second
+pass starts over the same epoch without :meth:`~DistributedSampler.set_epoch`, which silently
+repeats the same shuffled order every epoch.
+
+How the global order is built, for epoch ``e`` and world size ``W``:
+
+1. a permutation of the ``n`` dataset indices from ``seed + e`` (or ``0..n-1`` unshuffled);
+2. after a resume, the first ``consumed`` positions of it are skipped;
+3. what is left is padded by repeating it from its start up to a multiple of ``W``, or, with
+   ``drop_last``, cut down to one;
+4. rank ``r`` takes positions ``r, r + W, r + 2W, ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from lockstep.env import detect_process_info
+
+__all__ = ["DistributedSampler", "shard_length"]
+
+
+def shard_length(remaining: int, num_replicas: int, drop_last: bool) -> int:
+    """How many indices each rank gets from ``remaining`` positions of the global order."""
+    if drop_last:
+        return remaining // num_replicas
+    return math.ceil(remaining / num_replicas)
+
+
+def _world_from_context() -> tuple[int, int]:
+    """(num_replicas, rank) from the default group, else from the launcher's environment."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    info = detect_process_info()
+    return info.world_size, info.rank
+
+
+class DistributedSampler(Sampler[int]):
+    """Restrict data loading to this rank's shard of the dataset.
+
+    Args:
+        dataset: anything with ``len()``; the sampler yields indices into it.
+        num_replicas: number of ranks sharing the dataset; by default the default group's world
+            size (or the launcher's ``WORLD_SIZE`` before the group exists, 1 without one).
+        rank: this rank; by default the default group's rank (or ``RANK``, or 0).
+        shuffle: shuffle the order, differently each epoch (see :meth:`set_epoch`).
+        seed: the shuffle's seed; must be the same on every rank.
+        drop_last: drop the tail so every shard has the same length, instead of padding
+            with repeated indices.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, num_replicas)``, an empty dataset, or fewer samples
+            than ranks with ``drop_last=True``.
+
+    Example::
+
+        sampler = lockstep.DistributedSampler(dataset)
+        loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                ...
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None or rank is None:
+            world, this_rank = _world_from_context()
+            num_replicas = world if num_replicas is None else num_replicas
+            rank = this_rank if rank is None else rank
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank {rank} is outside [0, {num_replicas}): pass a rank below num_replicas "
+                "(or leave both unset to take them from the process group)"
+            )
+        size = len(dataset)
+        if size == 0:
+            raise ValueError("the dataset is empty: DistributedSampler has nothing to shard")
+        if drop_last and size < num_replicas:
+            raise ValueError(
+                f"the dataset has {size} samples, fewer than num_replicas={num_replicas}, so "
+                "with drop_last=True every rank would get none: use drop_last=False (pads by "
+                "repeating samples) or fewer ranks"
+            )
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        # Global positions of this epoch's order already consumed before a resume.
+        self._skip = 0
+        # The current pass: where it started in the global order, its length on this rank,
+        # and how many indices it has yielded so far.
+        self._pass_skip = 0
+        self._pass_len = self.num_samples
+        self._yielded = 0
+        self._passes_this_epoch = 0
+        self._warned = False
+
+    @property
+    def num_samples(self) -> int:
+        """Length of this rank's shard for the coming (or current) pass."""
+        return shard_length(len(self.dataset) - self._skip, self.num_replicas, self.drop_last)
+
+    @property
+    def total_size(self) -> int:
+        """Length of the global order for the coming pass, padding included."""
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pick the epoch, hence the shuffle order; call it on every rank before each epoch.
+
+        Setting the epoch a resumed sampler was loaded at keeps its place in that epoch.
+        """
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._skip = 0
+            self._pass_skip, self._pass_len, self._yielded = 0, self.num_samples, 0
+            self._passes_this_epoch = 0
+
+    def _global_order(self) -> list[int]:
+        size = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(size, generator=generator).tolist()
+        else:
+            order = list(range(size))
+        order = order[self._skip:]
+        total = self.total_size
+        if total <= len(order):
+            return order[:total]
+        if not order:
+            return []
+        # Pad by repeating the order from its start, as many times as needed for tiny datasets.
+        repeats = math.ceil(total / len(order))
+        return (order * repeats)[:total]
+
+    def _warn_if_epoch_repeats(self) -> None:
+        self._passes_this_epoch += 1
+        if self._passes_this_epoch < 2 or not self.shuffle or self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"DistributedSampler: a new pass started at epoch {self.epoch}, the same epoch as "
+            "the previous pass, so it repeats that pass's shuffled order. Call "
+            "sampler.set_epoch(epoch) with the epoch number at the start of every epoch.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        self._warn_if_epoch_repeats()
+        order = self._global_order()
+        shard = order[self.rank : len(order) : self.num_replicas]
+        self._pass_skip, self._pass_len, self._yielded = self._skip, len(shard), 0
+        return self._count(shard)
+
+    def _count(self, shard: list[int]) -> Iterator[int]:
+        for index in shard:
+            self._yielded += 1
+            yield index
+        # The pass is over: a later iteration of this epoch starts from its beginning.
+        self._skip = 0
+
+    def consumed(self, samples_per_rank: int | None = None) -> int:
+        """How many positions of this epoch's global order the whole job has consumed.
+
+        Args:
+            samples_per_rank: samples each rank has actually used in this pass; by default
+                the number this sampler has yielded (a ``DataLoader`` with worker processes
+                reads ahead of the training loop, so pass the true count there).
+        """
+        used = self._yielded if samples_per_rank is None else samples_per_rank
+        if used >= self._pass_len:
+            return len(self.dataset)  # the pass is complete, padding and dropped tail included
+        return min(self._pass_skip + used * self.num_replicas, len(self.dataset))
+
+    def state_dict(self, samples_per_rank: int | None = None) -> dict[str, int]:
+        """The position to resume from: ``{"epoch", "consumed", "seed"}``.
+
+        ``consumed`` counts positions of the job-wide order, so the state is the same on every
+        rank and may be loaded by a job with a different number of ranks.
+
+        Args:
+            samples_per_rank: see :meth:`consumed`.
+        """
+        return {"epoch": self.epoch, "consumed": self.consumed(samples_per_rank), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the epoch and position saved by :meth:`state_dict`.
+
+        The next pass yields only the samples the saved job had not yet consumed, sharded over
+        this sampler's ranks; the pass after it starts the next epoch.
+
+        Raises:
+            ValueError: the state is malformed or was saved with another seed or dataset size.
+        """
+        missing = {"epoch", "consumed"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}: pass state_dict()'s output")
+        if "seed" in state and state["seed"] != self.seed:
+            raise ValueError(
+                f"sampler state was saved with seed={state['seed']}, this sampler has "
+                f"seed={self.seed}: resuming would replay a different order"
+            )
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= len(self.dataset):
+            raise ValueError(
+                f"sampler state says {consumed} samples were consumed, but the dataset has "
+                f"{len(self.dataset)}: was it saved for another dataset?"
+            )
+        self.epoch = int(state["epoch"])
+        self._skip = consumed
+        self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
+        self._passes_this_epoch = 0

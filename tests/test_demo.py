@@ -1,0 +1,106 @@
+"""The demo (examples/train_gpt.py): a short run on one and on two workers, and their equivalence.
+
+Two workers run under ``lockstep run``, as the README does.
+
+With the same global batch, two workers of batch 4 see exactly the samples one worker of batch 8
+sees each step (the sampler hands rank r every other position of the same permutation), so
+their loss curves must agree up to float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Building the first optimizer imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR; import it
+# before conftest's environment-leak check takes its snapshot.
+import torch._dynamo  # noqa: F401
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY = [
+    "--max-steps", "20", "--eval-interval", "10", "--log-interval", "5", "--n-layer", "1",
+    "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--eval-blocks", "15",
+    "--max-files", "20", "--lr", "1e-2", "--warmup-steps", "2", "--sample-chars", "20",
+]
+CPU = ["--device", "cpu"]
+
+
+def _check_outputs(out_dir: Path, world_size: int, device: str = "cpu") -> dict:
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == world_size and metrics["steps"] == 20
+    assert metrics["device"].startswith(device)
+    assert metrics["tokens_seen"] == 20 * 8 * 32 and metrics["tokens_per_s"] > 0
+    assert [step for step, _ in metrics["val_loss"]] == [0, 10, 20]
+    # Loss falls clearly even in 20 steps of a tiny model: from ln(97) = 4.57 to well below 4.
+    assert metrics["initial_val_loss"] > 4.4
+    assert metrics["final_val_loss"] < metrics["initial_val_loss"] - 0.6
+    assert metrics["final_train_loss"] < metrics["first_step_train_loss"] - 0.6
+    assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return metrics
+
+
+@pytest.mark.multirank
+def test_demo_on_one_and_two_workers_agree(tmp_path, monkeypatch, capsys):
+    # One worker, in this process (plain `python examples/train_gpt.py`): a world of one.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_gpt
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_gpt.main([*TINY, *CPU, "--batch-size", "8", "--out-dir", str(tmp_path / "one")])
+    finally:
+        torch.set_num_threads(threads)
+    assert "world size 1 on cpu" in capsys.readouterr().out
+    single = _check_outputs(tmp_path / "one", world_size=1)
+
+    # Two workers under the README's launcher, batch 4 each: the same global batch.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2",
+        str(EXAMPLES / "train_gpt.py"), *TINY, *CPU, "--batch-size", "4", "--out-dir", str(tmp_path / "two"),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "world size 2 on cpu" in output and "tokens/s" in output
+    assert "training on 2 worker(s)" in output  # rank 0's progress bar
+    double = _check_outputs(tmp_path / "two", world_size=2)
+
+    for key in ("val_loss", "train_loss"):
+        steps = [s for s, _ in single[key]]
+        assert steps == [s for s, _ in double[key]]
+        for (_, a), (_, b) in zip(single[key], double[key]):
+            assert a == pytest.approx(b, abs=5e-4), key  # measured: within 1e-4
+
+
+@pytest.mark.gpu
+def test_demo_on_one_gpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_gpt
+
+    train_gpt.main([*TINY, "--batch-size", "8", "--out-dir", str(tmp_path)])
+    _check_outputs(tmp_path, world_size=1, device="cuda")
+
+
+def test_corpus_split_is_deterministic_and_errors_name_the_directory(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from chargpt import Vocab, load_corpus
+
+    corpus = load_corpus(max_files=30)
+    assert len(corpus.train_files) == 27 and len(corpus.val_files) == 3
+    assert corpus.val_files == sorted(corpus.root.glob("*.py"))[9:30:10]  # every tenth file
+    assert load_corpus(max_files=30).train_files == corpus.train_files
+    assert set(corpus.train_files).isdisjoint(corpus.val_files)
+    vocab = Vocab()
+    assert vocab.decode(vocab.encode("def f(x):\n\treturn x  # é")) == "def f(x):\n\treturn x  # ?"
+
+    (tmp_path / "only.py").write_text("pass\n")
+    with pytest.raises(RuntimeError, match=rf"{tmp_path} holds 1 .py files, the demo needs at least 10"):
+        load_corpus(root=tmp_path)
