@@ -1,0 +1,273 @@
+"""``Pipeline``: a model split into stages that run micro-batches in a pipelined schedule.
+
+Where data parallelism copies the whole model to every device and splits the batch, pipeline
+parallelism splits the model: stage ``s`` holds consecutive layers, and micro-batches flow from
+stage to stage. Stages live on several devices of this process (``devices=[...]``) or on the
+ranks of a process group (one stage per rank, activations sent with point-to-point messages).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.pipeline.local import run_local
+from lockstep.pipeline.partition import Balance, split_layers, stage_sizes
+from lockstep.pipeline.ranks import StagePeers, run_rank
+from lockstep.pipeline.schedule import Schedule, forward_only, get_schedule
+from lockstep.pipeline.stage import StageRunner, StageStats, as_tensor_tuple
+
+__all__ = ["Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline(nn.Module):
+    """Split ``module`` into stages and train it on micro-batches with GPipe or 1F1B.
+
+    Args:
+        module: an ``nn.Sequential`` to split, or a list of stage modules used as given.
+        chunks: number of micro-batches each batch is cut into (along dimension 0).
+        schedule: ``"1f1b"`` (activation memory bounded by the number of stages) or ``"gpipe"``.
+        loss_fn: ``loss_fn(output, target)`` returning a micro-batch's mean loss; with it
+            :meth:`step` trains, without it :meth:`step` only runs forward.
+        devices: one device per stage: every stage lives in this process.
+        process_group: without ``devices``, the ranks of this pipeline, group rank ``s`` holding
+            stage ``s`` (``None``: the default group).
+        balance: ``"params"``, ``"time"`` (needs ``sample_input``) or layers per stage, e.g.
+            ``[2, 3]``; ignored for a list of stages.
+        sample_input: a batch for ``balance="time"``.
+        device: with ``process_group``, this rank's device (default: CUDA ``LOCAL_RANK`` with
+            NCCL, else the CPU).
+
+    Example::
+
+        pipe = lockstep.Pipeline(nn.Sequential(...), chunks=4, devices=["cuda:0", "cuda:1"],
+                                 loss_fn=nn.functional.cross_entropy)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in loader:
+            opt.zero_grad()
+            pipe.step(x, target=y)   # forward and backward of all micro-batches
+            opt.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential | Sequence[nn.Module],
+        chunks: int = 1,
+        *,
+        schedule: str = "1f1b",
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        devices: Sequence[torch.device | str] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        balance: Balance = "params",
+        sample_input: Any = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        get_schedule(schedule, 1, 1)  # fail on an unknown name now, not at the first step
+        self.chunks = chunks
+        self.schedule_name = schedule.lower()
+        self.loss_fn = loss_fn
+        self.process_group = process_group
+        self._local = devices is not None
+        if devices is not None:
+            self.devices = [torch.device(d) for d in devices]
+            self.num_stages = len(self.devices)
+            self.stage_indices = list(range(self.num_stages))
+            stages = split_layers(module, self.num_stages, balance, sample_input)
+        else:
+            stages = [self._init_distributed(module, balance, sample_input, device)]
+        self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
+        logger.debug(
+            "pipeline of %d stages, %s schedule, %d micro-batches; this process holds stages %s "
+            "on %s", self.num_stages, self.schedule_name, chunks, self.stage_indices, self.devices
+        )
+
+    def _init_distributed(
+        self, module: Any, balance: Balance, sample: Any, device: torch.device | str | None
+    ) -> nn.Module:
+        """Set up this rank's place in the pipeline group and return its stage."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Pipeline without devices= places one stage per rank and needs a process group: "
+                "call lockstep.init_distributed() first, or pass devices=[...] for one process"
+            )
+        group = self.process_group
+        self.num_stages = dist.get_world_size(group)
+        index = dist.get_rank(group)
+        if device is None:
+            from lockstep.distributed import current_process_info
+
+            device = current_process_info().device
+        self.devices = [torch.device(device)]
+        self.stage_indices = [index]
+        if balance == "time" and isinstance(module, nn.Sequential):
+            # Timings differ from rank to rank; every rank must cut at the same places.
+            balance = self._agreed_time_balance(module, sample, group)
+        return split_layers(module, self.num_stages, balance, sample)[index]
+
+    def _agreed_time_balance(
+        self, module: nn.Sequential, sample: Any, group: dist.ProcessGroup | None
+    ) -> list[int]:
+        """Rank 0 of the group times the layers; every rank gets its split (or its error)."""
+        layers = list(module.children())
+        if sample is None or self.num_stages > len(layers):
+            return stage_sizes(layers, self.num_stages, "time", sample)  # raises on every rank
+        answer: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                answer = [stage_sizes(layers, self.num_stages, "time", sample)]
+            except Exception as exc:
+                answer = [f"{type(exc).__name__}: {exc}"]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(answer, src=src, group=group)
+        if isinstance(answer[0], str):
+            raise RuntimeError(f"rank {src} failed timing the layers for balance='time': "
+                               f"{answer[0]}")
+        return answer[0]
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when each rank of a process group holds one stage, False with ``devices=``."""
+        return not self._local
+
+    @property
+    def stage(self) -> nn.Module:
+        """This rank's stage module (distributed); assign to it to wrap it, e.g. in DDP."""
+        if len(self.stages) != 1:
+            raise RuntimeError(f"this Pipeline holds {len(self.stages)} stages; use .stages[i]")
+        return self.stages[0]
+
+    @stage.setter
+    def stage(self, module: nn.Module) -> None:
+        if len(self.stages) != 1:
+            raise RuntimeError(f"this Pipeline holds {len(self.stages)} stages; set .stages[i]")
+        self.stages[0] = module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # nn.Module files a module under its own name before a property setter could run.
+        if name == "stage":
+            Pipeline.stage.fset(self, value)  # type: ignore[attr-defined]
+            return
+        super().__setattr__(name, value)
+
+    def schedule(self, training: bool = True) -> Schedule:
+        """The action lists of this pipeline's schedule, one per stage (print it to see it)."""
+        if not training:
+            return forward_only(self.num_stages, self.chunks)
+        return get_schedule(self.schedule_name, self.num_stages, self.chunks)
+
+    @property
+    def stats(self) -> list[StageStats]:
+        """What each stage held by this process measured during the last step."""
+        return [runner.stats for runner in getattr(self, "_runners", [])]
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        """Run ``inputs`` through every stage without gradients; :meth:`step` trains.
+
+        Returns:
+            The output on the last stage (``None`` on other ranks).
+        """
+        with torch.no_grad():
+            return self._run(inputs, None, None, training=False)
+
+    def step(
+        self, *inputs: torch.Tensor, target: Any = None, losses: list | None = None
+    ) -> Any:
+        """Forward and backward of one batch, cut into ``chunks`` micro-batches.
+
+        Gradients accumulate into ``.grad`` as one backward of ``loss_fn`` over the whole batch
+        would (each micro-batch's mean loss is weighted by its share of the batch). With stages
+        on ranks, the first stage passes ``inputs``, the last ``target``, the others nothing.
+
+        Args:
+            inputs: the batch (first stage).
+            target: the batch's target (last stage); omitted, ``loss_fn(output)`` is called.
+            losses: a list to which each micro-batch's loss is appended (last stage).
+
+        Returns:
+            The batch's output, the micro-batches' outputs joined (last stage; ``None`` elsewhere).
+
+        Raises:
+            ValueError: more micro-batches than samples, or inputs missing on the first stage.
+            RuntimeError: no ``loss_fn``, called under ``torch.no_grad()``, or a stage failed
+                (naming the stage and the input shapes it got).
+        """
+        if self.loss_fn is None:
+            raise RuntimeError("Pipeline.step trains and needs loss_fn=...; use pipe(x) to infer")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.step runs backward: call it outside torch.no_grad()")
+        return self._run(inputs, target, losses, training=True)
+
+    def _run(self, inputs: tuple, target: Any, losses: list | None, training: bool) -> Any:
+        first, last = 0 in self.stage_indices, self.num_stages - 1 in self.stage_indices
+        microbatches = self._split_inputs(inputs) if first else None
+        targets = _split(target, self.chunks, "target") if last and target is not None else None
+        if targets is not None:
+            targets = [_to(t, self.devices[-1]) for t in targets]
+        scales = _loss_scales(targets, self.chunks)
+        self._runners = self._make_runners()
+        schedule = self.schedule(training)
+        if self.is_distributed:
+            peers = StagePeers(self.process_group, self.stage_indices[0], self.num_stages)
+            runner, actions = self._runners[0], schedule[self.stage_indices[0]]
+            outs, loss_map = run_rank(runner, actions, peers, microbatches, targets, scales)
+            outputs = [outs[i] for i in sorted(outs)]
+            mb_losses = [loss_map[i] for i in sorted(loss_map)]
+        else:
+            outputs, mb_losses = run_local(self._runners, schedule, microbatches, targets, scales)
+        if losses is not None:
+            losses.extend(mb_losses)
+        if not last:
+            return None
+        joined = tuple(torch.cat(parts) for parts in zip(*outputs))
+        return joined[0] if len(joined) == 1 else joined
+
+    def _make_runners(self) -> list[StageRunner]:
+        return [
+            StageRunner(module, index, self.num_stages, device, self.loss_fn)
+            for module, index, device in zip(self.stages, self.stage_indices, self.devices)
+        ]
+
+    def _split_inputs(self, inputs: tuple) -> list[tuple[torch.Tensor, ...]]:
+        if not inputs:
+            raise ValueError(
+                "the first pipeline stage needs the batch: call pipe.step(x, ...) on its rank"
+            )
+        batch = as_tensor_tuple(inputs, "a pipeline input")
+        parts = [_split(_to(t, self.devices[0]), self.chunks, f"input {i}")
+                 for i, t in enumerate(batch)]
+        return [tuple(p[k] for p in parts) for k in range(self.chunks)]
+
+
+def _split(value: Any, chunks: int, what: str) -> list[torch.Tensor]:
+    if not torch.is_tensor(value) or value.dim() == 0:
+        raise ValueError(
+            f"{what} must be a tensor with a batch dimension to cut into micro-batches"
+        )
+    size = value.shape[0]
+    if chunks > size:
+        raise ValueError(
+            f"cannot cut a batch of {size} samples ({what}) into {chunks} micro-batches: use "
+            f"chunks <= {size}, or a larger batch"
+        )
+    return list(torch.tensor_split(value, chunks))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if torch.is_tensor(value) else value
+
+
+def _loss_scales(targets: list | None, chunks: int) -> list[float]:
+    """Each micro-batch's share of the batch; equal shares when there is no target to count."""
+    if not targets:
+        return [1.0 / chunks] * chunks
+    total = sum(t.shape[0] for t in targets)
+    return [t.shape[0] / total for t in targets]
