@@ -322,6 +322,26 @@ def test_equivalence_world3():
         assert all(v < TOL for v in result.values()), result
 
 
+def _debug_mode_checks_every_bucket(rank: int) -> tuple[int, int, float]:
+    from lockstep import collective_checks
+
+    lockstep.init_distributed()
+    calls = []
+    original = collective_checks.check_collective
+    collective_checks.check_collective = lambda *a, **k: (calls.append(a[0]), original(*a, **k))
+    try:
+        diff = _equivalence("mlp", _mlp, _sgd, bucket_cap_mb=0.001)
+    finally:
+        collective_checks.check_collective = original
+    return len(calls), len(set(calls)), diff
+
+
+def test_debug_collectives_mode_checks_each_bucket(monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_DEBUG_COLLECTIVES", "1")
+    for calls, distinct, diff in lockstep.spawn(_debug_mode_checks_every_bucket, 2, timeout=90):
+        assert distinct >= 2 and calls == distinct * STEPS and diff < TOL
+
+
 # ---- errors ------------------------------------------------------------------------------
 def _different_models(rank: int) -> None:
     lockstep.init_distributed()

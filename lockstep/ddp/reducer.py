@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from lockstep import collective_checks
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
 from lockstep.ddp.timing import StepClock
@@ -60,6 +61,8 @@ class Reducer:
         self.clock: StepClock | None = None
         # Set by join(): rescales the mean when it must be over the active ranks only.
         self.grad_scale = 1.0
+        # LOCKSTEP_DEBUG_COLLECTIVES=1: before each bucket, check every rank reduces the same one.
+        self._debug = collective_checks.debug_collectives_enabled()
         self._specs = [BucketSpec.of(p) for p in self.params]
         self._rebuilt = False
         self._arrival: list[int] = []
@@ -164,6 +167,10 @@ class Reducer:
             grad_bucket = GradBucket(
                 bucket.index, bucket.buffer, bucket.params, bucket.offsets, bucket.index == last
             )
+            if self._debug:
+                collective_checks.check_collective(
+                    f"all_reduce(bucket {bucket.index})", [bucket.buffer], self.group
+                )
             self._futures[bucket.index] = self.comm_hook(self.comm_state, grad_bucket)
             self._next_launch += 1
 

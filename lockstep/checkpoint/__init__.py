@@ -1,0 +1,19 @@
+"""Checkpoints that lose nothing: atomic, checksummed, safe to load, resumable at any world size.
+
+``manager`` is the public API (:class:`Checkpointer`); ``state`` knows what each object holds;
+``io`` knows how bytes reach the disk and come back.
+"""
+
+from lockstep.checkpoint.io import CheckpointError, load_file
+from lockstep.checkpoint.manager import Checkpointer, Restored
+from lockstep.checkpoint.state import load_model_state, load_weights, unwrap_model
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "Restored",
+    "load_file",
+    "load_model_state",
+    "load_weights",
+    "unwrap_model",
+]

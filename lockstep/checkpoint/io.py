@@ -1,0 +1,204 @@
+"""How checkpoint bytes reach the disk and come back: atomically, checksummed, never unpickled.
+
+A checkpoint file is a one-line header (format tag, CRC-32 and length of the payload) followed
+by the payload, which is ``torch.save`` output. Reading checks the header before anything is
+deserialised, so a truncated or corrupted file is reported as such; deserialising uses
+``torch.load(weights_only=True)``, which accepts tensors and plain containers only, so a file
+from elsewhere cannot run code. What we write is limited to those same types, checked up front.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "check_loadable",
+    "decode",
+    "encode",
+    "fsync_dir",
+    "load_file",
+    "read_verified",
+    "write_atomic",
+]
+
+_MAGIC = b"LOCKSTEP-CKPT-1"
+# Types that torch.load(weights_only=True) restores on every torch we support (>= 2.4).
+_SCALARS = (type(None), bool, int, float, str)
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, read or applied; the message names the file."""
+
+
+def check_loadable(obj: Any, where: str) -> None:
+    """Raise ``TypeError`` if ``obj`` holds anything weights-only loading would refuse.
+
+    Raises:
+        TypeError: naming the path inside ``obj`` (e.g. ``extra['cfg'][2]``) and its type.
+    """
+    if isinstance(obj, torch.Tensor) or type(obj) in _SCALARS:
+        return
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            if type(key) not in (str, int):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int")
+            check_loadable(value, f"{where}[{key!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, value in enumerate(obj):
+            check_loadable(value, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which lockstep will not "
+        "pickle: checkpoints hold only tensors, numbers, strings, None, lists, tuples and dicts "
+        "so that loading one can never run code. Convert it (e.g. a dataclass to a dict)."
+    )
+
+
+def _checksum(payload: bytes | memoryview) -> bytes:
+    # CRC-32 finds truncation and bit rot at memory speed; safety against a crafted file does not
+    # rest on it but on weights-only loading, so a cryptographic hash would only cost time.
+    return b"%08x" % zlib.crc32(payload)
+
+
+def encode(obj: Any) -> bytes:
+    """Serialise ``obj`` and prefix it with the header that lets :func:`decode` verify it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    digest = _checksum(payload)
+    return b"%s %s %d\n" % (_MAGIC, digest, len(payload)) + payload
+
+
+def decode(data: bytes, path: Path | str) -> Any:
+    """Verify ``data`` (as read from ``path``) and deserialise it without running any code.
+
+    Raises:
+        CheckpointError: the file is truncated, corrupted, not a lockstep checkpoint, or holds
+            objects other than tensors and plain containers.
+    """
+    header, _, payload = data.partition(b"\n")
+    parts = header.split(b" ")
+    if len(parts) != 3 or parts[0] != _MAGIC:
+        raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
+    expected = int(parts[2]) if parts[2].isdigit() else -1
+    if len(payload) != expected:
+        raise CheckpointError(
+            f"{path} is truncated: {len(payload)} of {expected} bytes; the write was cut short"
+        )
+    if _checksum(payload) != parts[1]:
+        raise CheckpointError(f"{path} is corrupted: its CRC-32 checksum does not match its header")
+    return _safe_load(io.BytesIO(payload), path)
+
+
+def _safe_load(source: Any, path: Path | str) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"refusing to load {path}: it holds objects other than tensors and plain containers, "
+            f"and unpickling them could run code ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from exc
+
+
+def _write_fully(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or creation inside ``path`` durable (a no-op where directories can't sync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` is either absent or complete.
+
+    The bytes go to ``path.tmp``, are fsync'ed, then renamed over ``path``.
+
+    Raises:
+        CheckpointError: the write failed; a full disk or quota is named as such.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_fully(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(describe_os_error(exc, path, len(data))) from exc
+
+
+def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:
+    """A message for a failed checkpoint write that says what to do about it."""
+    if exc.errno in _DISK_FULL:
+        need = f" ({size / 2**20:.1f} MiB needed)" if size is not None else ""
+        return (
+            f"cannot write {path}: the disk or quota is full{need} ({exc.strerror}). Free space "
+            "or lower `keep`; the previous checkpoint is untouched."
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"cannot write {path}: {exc.strerror}. Choose a checkpoint directory this user can "
+            "write to; the previous checkpoint is untouched."
+        )
+    return f"cannot write {path}: {exc}; the previous checkpoint is untouched."
+
+
+def read_verified(path: Path) -> Any:
+    """Read, verify and deserialise one file written by :func:`write_atomic` of :func:`encode`."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return decode(data, path)
+
+
+def load_file(path: Path | str) -> Any:
+    """Load a lockstep checkpoint file, a ``torch.save`` file or a ``.safetensors`` file safely.
+
+    Nothing is unpickled beyond tensors and plain containers, whoever wrote the file.
+
+    Raises:
+        CheckpointError: the file is missing, damaged, or holds arbitrary objects.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file as load_safetensors
+        except ImportError as exc:
+            raise CheckpointError(f"reading {path} needs `pip install safetensors`") from exc
+        return load_safetensors(str(path), device="cpu")
+    try:
+        with path.open("rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                f.seek(0)
+                return _safe_load(f, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return read_verified(path)

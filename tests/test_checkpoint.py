@@ -1,0 +1,327 @@
+"""Checkpointer: exact resume, atomicity, damage detection, safe loading, clear errors.
+
+Tiers: single-process round trips and file damage; one world of 2 on gloo for per-rank RNG,
+a full disk on one rank and a world-size change; one world of 2 in which a rank is SIGKILLed
+in the middle of writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lockstep
+from lockstep.checkpoint import Checkpointer, CheckpointError, load_weights
+from lockstep.checkpoint import io as ckpt_io
+
+# torch sets TORCHINDUCTOR_CACHE_DIR the first time an Adam is built; do it at import so the
+# conftest's environment-leak check does not blame the first test that builds one.
+torch.optim.Adam(nn.Linear(1, 1).parameters())
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.drop = nn.Dropout(0.3)  # consumes torch's RNG: resume must restore it
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class Counter:
+    """A sampler-like object: anything with state_dict/load_state_dict is saved alike."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
+def _objects(seed: int = 0, device: str = "cpu") -> dict:
+    torch.manual_seed(seed)
+    model = Net().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        "scaler": torch.amp.GradScaler(device, enabled=True),
+        "sampler": Counter(),
+    }
+
+
+def _train(objs: dict, steps: int, sync: bool = False) -> None:
+    """Steps that draw from Python, NumPy and torch RNGs, so a lost RNG state shows."""
+    model, opt = objs["model"], objs["optimizer"]
+    device = next(model.parameters()).device
+    for _ in range(steps):
+        # On CUDA both randn and dropout draw from the CUDA generator.
+        x = torch.randn(4, 6, device=device) + random.random() + float(np.random.rand())
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        if sync:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        opt.step()
+        objs["scheduler"].step()
+        objs["sampler"].consumed += 4
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_resume_is_bitwise_exact(tmp_path, device):
+    _seed_all(1)
+    objs = _objects(device=device)
+    _train(objs, 3)
+    ckpt = Checkpointer(tmp_path, keep=2)
+    assert ckpt.restore(**objs) is None  # nothing yet, nothing changed
+    ckpt.save(3, epoch=1, extra={"note": "hi", "best": torch.tensor(0.5)}, **objs)
+    _train(objs, 3)
+    expected = _params(objs["model"])
+
+    _seed_all(99)  # a restarted process starts from other RNG states
+    if device == "cuda":
+        torch.cuda.manual_seed_all(99)
+    fresh = _objects(seed=7, device=device)
+    resumed = ckpt.restore(**fresh)
+    assert (resumed.step, resumed.epoch, resumed.extra["note"]) == (3, 1, "hi")
+    assert resumed.path == tmp_path / "step_000000000003"
+    assert fresh["sampler"].consumed == 12
+    assert fresh["scheduler"].last_epoch == 3
+    _train(fresh, 3)
+    for got, want in zip(_params(fresh["model"]), expected):
+        assert torch.equal(got, want)
+
+
+def test_keeps_newest_k_and_skips_damaged(tmp_path):
+    objs = _objects()
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, model=objs["model"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000000002", "step_000000000003"]
+    newest = tmp_path / "step_000000000003" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # truncated
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoint .*step_000000000003.*truncated"):
+        resumed = ckpt.restore(model=objs["model"])
+    assert resumed.step == 2
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
+        assert ckpt.latest() == tmp_path / "step_000000000002"
+
+
+def test_decode_names_truncation_corruption_and_foreign_files(tmp_path):
+    data = ckpt_io.encode({"w": torch.ones(3)})
+    with pytest.raises(CheckpointError, match=r"f\.pt is truncated: \d+ of \d+ bytes"):
+        ckpt_io.decode(data[:-1], "f.pt")
+    flipped = bytearray(data)
+    flipped[-5] ^= 0xFF
+    with pytest.raises(CheckpointError, match=r"f\.pt is corrupted: its CRC-32 checksum does not match"):
+        ckpt_io.decode(bytes(flipped), "f.pt")
+    with pytest.raises(CheckpointError, match=r"f\.pt is not a lockstep checkpoint file"):
+        ckpt_io.decode(b"hello\nworld", "f.pt")
+    assert torch.equal(ckpt_io.decode(data, "f.pt")["w"], torch.ones(3))
+
+
+class _Evil:
+    """Unpickling this runs a shell command: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    plain = tmp_path / "evil.pt"
+    torch.save({"fc1.weight": _Evil(marker)}, plain)
+    with pytest.raises(CheckpointError, match=r"refusing to load .*evil\.pt.*could run code"):
+        load_weights(Net(), plain)
+    # The same payload inside a well-formed lockstep checkpoint, checksum and all.
+    good = Checkpointer(tmp_path / "ck")
+    path = good.save(1, model=Net())
+    (path / "state.pt").write_bytes(ckpt_io.encode({"meta": _Evil(marker)}))
+    with pytest.warns(UserWarning, match="refusing to load"):
+        assert good.restore(model=Net()) is None
+    assert not marker.exists()
+
+
+def test_loads_torch_ddp_files_and_wrapped_models(tmp_path):
+    torch.manual_seed(0)
+    source = Net()
+    lockstep.init_distributed()
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(source)
+        torch.save(wrapped.state_dict(), tmp_path / "ddp.pt")  # keys start with module.
+        Checkpointer(tmp_path / "ck").save(5, model=wrapped)
+    finally:
+        lockstep.shutdown_distributed()
+    from safetensors.torch import save_file
+
+    save_file(source.state_dict(), str(tmp_path / "w.safetensors"))
+    for name in ("ddp.pt", "w.safetensors"):
+        target = Net()
+        load_weights(target, tmp_path / name)
+        assert all(torch.equal(a, b) for a, b in zip(_params(target), _params(source)))
+    state = ckpt_io.read_verified(tmp_path / "ck" / "step_000000000005" / "state.pt")
+    assert all(not key.startswith("module.") for key in state["objects"]["model"])
+    target = Net()
+    Checkpointer(tmp_path / "ck").restore(model=target)
+    assert all(torch.equal(a, b) for a, b in zip(_params(target), _params(source)))
+
+
+def test_other_model_lists_missing_and_unexpected_keys(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, model=Net())
+    other = nn.Sequential(nn.Linear(6, 8))
+    with pytest.raises(CheckpointError) as info:
+        ckpt.restore(model=other)
+    message = str(info.value)
+    assert "holds weights of another model" in message
+    assert "missing keys: 0.bias, 0.weight" in message
+    assert "unexpected keys: fc1.bias, fc1.weight, fc2.bias, fc2.weight" in message
+    wider = Net()
+    wider.fc2 = nn.Linear(8, 3)
+    expected = r"shape mismatch \(file vs model\): fc2.bias \(2,\) vs \(3,\)"
+    with pytest.raises(CheckpointError, match=expected):
+        ckpt.restore(model=wider)
+    with pytest.raises(CheckpointError, match=r"has no 'optimizer'; it holds \['model'\]"):
+        ckpt.restore(model=Net(), optimizer=torch.optim.SGD(Net().parameters(), lr=1))
+
+
+def test_save_rejects_what_cannot_load_safely(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match=r"extra\['cfg'\]\[1\] is a builtins.set.*Convert it"):
+        ckpt.save(1, extra={"cfg": [1, {2}]})
+    with pytest.raises(CheckpointError, match=r"cannot checkpoint data=list: it has no state_dict"):
+        ckpt.save(1, data=[1, 2])
+    assert not any(tmp_path.iterdir())  # nothing half-written left behind
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        Checkpointer(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="timeout must be positive seconds, got 0"):
+        Checkpointer(tmp_path, timeout=0)
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        ckpt.save(-1)
+
+
+def test_unwritable_directory_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    expected = r"saving checkpoint .*file/ckpt/step_0+1 failed on rank 0: cannot write .*file/ckpt"
+    with pytest.raises(CheckpointError, match=expected):
+        Checkpointer(blocker / "ckpt").save(1, model=Net())
+
+
+def test_full_disk_message():
+    exc = OSError(28, "No space left on device")
+    message = ckpt_io.describe_os_error(exc, Path("/ck/state.pt"), 3 * 2**20)
+    assert "disk or quota is full (3.0 MiB needed)" in message
+    assert "previous checkpoint is untouched" in message
+
+
+# -- multi-rank -----------------------------------------------------------------------------
+
+
+def _world_of_two(rank: int, directory: str) -> None:
+    """Resume exactly, survive a full disk on rank 1, then die while writing (rank 0)."""
+    lockstep.init_distributed()
+    _seed_all(100 + rank)  # every rank draws its own data: per-rank RNG states matter
+    objs = _objects()
+    ckpt = Checkpointer(directory, keep=3)
+    _train(objs, 2, sync=True)
+    ckpt.save(2, **objs)
+    _train(objs, 2, sync=True)
+    expected = _params(objs["model"])
+    _seed_all(0)
+    fresh = _objects(seed=5)
+    resumed = ckpt.restore(**fresh)
+    _train(fresh, 2, sync=True)
+    exact = all(torch.equal(a, b) for a, b in zip(_params(fresh["model"]), expected))
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+    try:
+        ckpt.save(4, model=fresh["model"])
+        error = ""
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    # The classic mistake: saving under `if rank == 0:`; rank 0 must fail naming rank 1.
+    only_rank0 = ""
+    if rank == 0:
+        try:
+            Checkpointer(Path(directory, "rank0-only"), timeout=2).save(1, model=fresh["model"])
+        except CheckpointError as exc:
+            only_rank0 = str(exc)
+    result = {"step": resumed.step, "exact": exact, "error": error, "latest": str(ckpt.latest()),
+              "only_rank0": only_rank0}
+    Path(directory, f"result{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    if rank == 0:
+        real_write = ckpt_io._write_fully
+
+        def write_half_then_die(fd: int, data: bytes) -> None:
+            real_write(fd, data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ckpt_io._write_fully = write_half_then_die
+    with torch.no_grad():
+        for p in fresh["model"].parameters():
+            p.add_(1.0)
+    ckpt.save(6, model=fresh["model"])
+
+
+@pytest.mark.multirank
+def test_world_of_two_resume_full_disk_and_kill_mid_write(tmp_path):
+    ckpt_dir = tmp_path / "ck"
+    with pytest.raises(lockstep.WorkerError, match="rank 0 died with signal 9"):
+        lockstep.spawn(_world_of_two, 2, (str(ckpt_dir),), timeout=120)
+    for rank in range(2):
+        result = json.loads((ckpt_dir / f"result{rank}.json").read_text())
+        assert result["step"] == 2 and result["exact"], f"rank {rank}: {result}"
+        # A full disk on rank 1 only: every rank gets the error; step 2 survives.
+        assert "failed on rank 1: cannot write" in result["error"]
+        assert "disk or quota is full" in result["error"]
+        assert result["latest"].endswith("step_000000000002")
+    assert json.loads((ckpt_dir / "result0.json").read_text())["only_rank0"] == (
+        "rank 0 waited 2s in Checkpointer.save(step=1) for rank(s) [1], which never called it. "
+        "Call save() and restore() on every rank, not only on rank 0."
+    )
+    names = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("result"))
+    assert names == [".staging-step_000000000006", "step_000000000002"]  # 6 was cut short
+    assert len(list((ckpt_dir / "step_000000000002").iterdir())) == 3  # state + 2 RNG files
+    # A world of one resumes from the world of two (model, optimizer, sampler are replicated).
+    objs = _objects(seed=3)
+    resumed = Checkpointer(ckpt_dir).restore(model=objs["model"], sampler=objs["sampler"])
+    assert (resumed.step, resumed.world_size, objs["sampler"].consumed) == (2, 2, 8)
+    saved = ckpt_io.read_verified(resumed.path / "state.pt")["objects"]["model"]
+    assert all(torch.equal(saved[k], v) for k, v in objs["model"].state_dict().items())
