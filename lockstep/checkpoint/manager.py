@@ -216,6 +216,10 @@ class Checkpointer:
         staging = self.directory / f".staging-{final.name}"
         error = self._attempt(lambda: self._prepare(staging))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error)
+        for obj in objects.values():
+            consolidate = getattr(obj, "consolidate_state_dict", None)
+            if callable(consolidate):
+                consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
         def write() -> None:
             if rank == 0:
