@@ -1,0 +1,30 @@
+"""Comm hooks that send fewer bytes, and local SGD that sends less often.
+
+- :mod:`~lockstep.comm.compression`: fp16/bf16 all-reduce (half the bytes).
+- :mod:`~lockstep.comm.powersgd`: rank-r PowerSGD with error feedback (tens of times fewer).
+- :mod:`~lockstep.comm.local_sgd`: local SGD / DiLoCo (one merge every H steps).
+- :mod:`~lockstep.comm.state`: the byte counter every hook fills.
+"""
+
+from lockstep.comm.compression import (
+    allreduce_hook,
+    bf16_compress_hook,
+    compress_hook,
+    fp16_compress_hook,
+)
+from lockstep.comm.local_sgd import LocalSGD, local_gradients_hook
+from lockstep.comm.powersgd import PowerSGDState, powersgd_hook
+from lockstep.comm.state import ByteCounter, CommState
+
+__all__ = [
+    "ByteCounter",
+    "CommState",
+    "LocalSGD",
+    "PowerSGDState",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "compress_hook",
+    "fp16_compress_hook",
+    "local_gradients_hook",
+    "powersgd_hook",
+]

@@ -1,0 +1,174 @@
+"""Local SGD and DiLoCo: each rank steps alone for H steps, then the replicas are merged.
+
+For links far slower than compute, even compressed gradients every step cost too much. Local SGD
+(Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019) lets every rank run its
+own optimizer for ``sync_every`` steps and then averages the parameters: one all-reduce of the
+model per H steps instead of one per step. DiLoCo (Douillard et al., "DiLoCo: Distributed
+Low-Communication Training of Language Models", 2023) treats the averaged change since the last
+merge as a pseudo-gradient for an *outer* optimizer, Nesterov SGD in the paper, which lets H
+grow to hundreds of steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from lockstep.comm.state import ByteCounter
+from lockstep.ddp.comm_hooks import GradBucket, completed_future
+
+__all__ = ["LocalSGD", "local_gradients_hook"]
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def local_gradients_hook(state: Any, bucket: GradBucket) -> "torch.futures.Future[torch.Tensor]":
+    """A comm hook that sends nothing: each rank keeps its own gradients."""
+    return completed_future(bucket.buffer())
+
+
+def _flat_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors by (device, dtype) so each group is one flat all-reduce."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    return list(groups.values())
+
+
+class LocalSGD:
+    """Wrap a model and its optimizer so ranks synchronise every ``sync_every`` steps.
+
+    Works with a plain module (the replicas are made equal by a broadcast from rank 0 here) or
+    with :class:`lockstep.DistributedDataParallel`, whose per-step gradient all-reduce is
+    switched off by registering :func:`local_gradients_hook` (so register no other hook).
+    Call :meth:`step` instead of ``optimizer.step()``.
+
+    Args:
+        model: the module, or its DistributedDataParallel wrapper.
+        optimizer: the inner optimizer over the model's parameters.
+        sync_every: H, the local steps between two merges.
+        process_group: the group to merge over; ``None`` means the default group.
+        outer_optimizer: ``None`` to average the parameters, or a function building the outer
+            optimizer over a list of tensors (DiLoCo), e.g.
+            ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)``.
+        counter: where the bytes sent are added up (a new one by default).
+
+    Raises:
+        ValueError: ``sync_every`` below 1.
+
+    Example::
+
+        ddp = lockstep.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        local = lockstep.LocalSGD(ddp, opt, sync_every=16)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            local.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        counter: ByteCounter | None = None,
+    ) -> None:
+        if sync_every < 1:
+            raise ValueError(
+                f"sync_every must be at least 1 (steps between merges), got {sync_every}"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.sync_every = sync_every
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.counter = counter if counter is not None else ByteCounter()
+        self.local_steps = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        # Running statistics (BatchNorm) are merged too; integer counters are equal anyway.
+        self._buffers = [b for b in model.buffers() if b.is_floating_point()]
+        if hasattr(model, "register_comm_hook"):
+            model.register_comm_hook(None, local_gradients_hook)
+        else:
+            self._broadcast_from_first_rank()
+        self._anchors: list[torch.Tensor] = []
+        self.outer: torch.optim.Optimizer | None = None
+        if outer_optimizer is not None:
+            self._anchors = [p.detach().clone() for p in self._params]
+            self.outer = outer_optimizer(self._anchors)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One inner optimizer step; every ``sync_every``-th one also merges the ranks."""
+        loss = self.optimizer.step(closure)
+        self.local_steps += 1
+        if self.local_steps % self.sync_every == 0:
+            self.sync()
+        self.counter.end_step()
+        return loss
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Merge the replicas now: average them, or take one outer step on the averaged change."""
+        if self.outer is None:
+            self._average(self._params)
+        else:
+            self._outer_step(self.outer)
+        self._average(self._buffers)
+
+    def _outer_step(self, outer: torch.optim.Optimizer) -> None:
+        # The pseudo-gradient is anchor - replica, averaged: the mean change, sign as a gradient.
+        deltas = [anchor - p for anchor, p in zip(self._anchors, self._params)]
+        self._average(deltas)
+        for anchor, delta in zip(self._anchors, deltas):
+            anchor.grad = delta
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        for anchor, p in zip(self._anchors, self._params):
+            p.copy_(anchor)
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        world = dist.get_world_size(self.process_group)
+        for group in _flat_groups(tensors):
+            flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
+            self.counter.record(flat)
+            dist.all_reduce(flat, group=self.process_group)
+            start = 0
+            for t in group:
+                t.copy_(flat[start : start + t.numel()].view_as(t))
+                start += t.numel()
+
+    @torch.no_grad()
+    def _broadcast_from_first_rank(self) -> None:
+        source = dist.get_global_rank(self.process_group, 0)
+        for tensor in self._params + self._buffers:
+            dist.broadcast(tensor, src=source, group=self.process_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner (and outer) optimizer state, the anchors and the step count."""
+        return {
+            "local_steps": self.local_steps,
+            "optimizer": self.optimizer.state_dict(),
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+            "anchors": [a.clone() for a in self._anchors],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.local_steps = state["local_steps"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        if (state["outer"] is None) != (self.outer is None):
+            raise ValueError(
+                "checkpoint and LocalSGD disagree on outer_optimizer: build LocalSGD with the "
+                "same outer_optimizer setting the checkpoint was saved with"
+            )
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+            with torch.no_grad():
+                for anchor, saved in zip(self._anchors, state["anchors"]):
+                    anchor.copy_(saved)

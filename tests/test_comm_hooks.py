@@ -1,0 +1,130 @@
+"""fp16/bf16/plain hooks: the reduction is the mean within the dtype's bound, bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lockstep
+from lockstep.comm import (
+    ByteCounter,
+    CommState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
+from lockstep.comm.state import resolve_state
+from lockstep.ddp.comm_hooks import GradBucket
+
+SHAPES = [(6, 5), (7,), (3, 4)]
+# Relative precision of one rounding: 2^-11 for fp16 (11 significant bits), 2^-8 for bf16.
+UNIT_ROUNDOFF = {
+    fp16_compress_hook: 2.0**-11, bf16_compress_hook: 2.0**-8, allreduce_hook: 2.0**-24
+}
+
+
+# ---- pure logic ---------------------------------------------------------------------------
+def test_byte_counter_adds_sizes_and_steps():
+    counter = ByteCounter()
+    counter.record(torch.ones(4), torch.ones(3, dtype=torch.float16))
+    assert counter.bytes_per_step() == 0.0
+    counter.end_step()
+    counter.record(torch.ones(2, dtype=torch.float64))
+    counter.end_step()
+    assert (counter.bytes_sent, counter.steps, counter.bytes_per_step()) == (38, 2, 19.0)
+    counter.reset()
+    assert (counter.bytes_sent, counter.steps) == (0, 0)
+
+
+def test_resolve_state_rejects_unknown_state():
+    with pytest.raises(TypeError, match="hook state must be None, a ProcessGroup or a CommState"):
+        resolve_state(42)
+
+
+# ---- multi-rank ---------------------------------------------------------------------------
+def make_bucket(rank: int, scale: float = 1.0) -> tuple[GradBucket, torch.Tensor]:
+    """A bucket over parameters of SHAPES whose gradients are rank-dependent random numbers."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    buffer = torch.randn(total, generator=torch.Generator().manual_seed(rank)) * scale
+    return GradBucket(0, buffer, params, offsets, is_last=True), buffer.clone()
+
+
+def _hook_reductions(rank: int) -> dict:
+    lockstep.init_distributed()
+    world = dist.get_world_size()
+    locals_ = [make_bucket(r)[1] for r in range(world)]
+    exact = torch.stack(locals_).mean(0)
+    bound = torch.stack(locals_).abs().mean(0)
+    out: dict = {}
+    for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+        state = CommState()
+        bucket, _ = make_bucket(rank)
+        result = hook(state, bucket).wait()
+        # Two roundings: each rank's g/N, then the sum; both are relative to at most mean |g|.
+        limit = 2 * UNIT_ROUNDOFF[hook] * bound + 1e-7
+        out[hook.__name__] = {
+            "within_bound": bool(((result - exact).abs() <= limit).all()),
+            "in_place": result.data_ptr() == bucket.buffer().data_ptr(),
+            "dtype": result.dtype,
+            "bytes": state.counter.bytes_per_step(),
+        }
+    bucket, _ = make_bucket(rank)
+    bare = fp16_compress_hook(None, bucket).wait()  # torch's calling style: state is the group
+    out["bare_group_state"] = torch.allclose(bare, exact, atol=1e-2)
+    # 60000 on each rank: the fp16 sum (120000) would overflow; the mean (60000) does not.
+    big = GradBucket(0, torch.full((4,), 60000.0), [torch.nn.Parameter(torch.zeros(4))], [0], True)
+    out["fp16_no_overflow"] = fp16_compress_hook(None, big).wait().tolist()
+    out["ddp"] = _hooks_under_ddp(rank, world)
+    return out
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _hooks_under_ddp(rank: int, world: int) -> dict:
+    """Each hook registered on a DDP model: its gradients against the full-batch reference."""
+    data = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(7))
+    reference = _net()
+    reference(data).square().mean().backward()
+    mine = data[4 * rank : 4 * (rank + 1)]
+    errors = {}
+    for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+        state = CommState()
+        ddp = lockstep.DistributedDataParallel(_net())
+        ddp.register_comm_hook(state, hook)
+        ddp(mine).square().mean().backward()
+        worst = max(
+            ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+            for p, q in zip(ddp.parameters(), reference.parameters())
+        )
+        errors[hook.__name__] = (worst, state.counter.steps, state.counter.bytes_sent)
+    return errors
+
+
+@pytest.mark.multirank
+def test_hooks_reduce_to_the_mean_within_dtype_bound_at_world_2():
+    results = lockstep.spawn(_hook_reductions, 2, timeout=120)
+    for out in results:
+        for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+            assert out[name]["within_bound"], name
+            assert out[name]["in_place"] and out[name]["dtype"] == torch.float32, name
+        numel = sum(torch.Size(s).numel() for s in SHAPES)
+        assert out["allreduce_hook"]["bytes"] == 4 * numel
+        assert out["fp16_compress_hook"]["bytes"] == 2 * numel
+        assert out["bf16_compress_hook"]["bytes"] == 2 * numel
+        assert out["bare_group_state"]
+        assert out["fp16_no_overflow"] == [60000.0] * 4
+        ddp = out["ddp"]
+        assert ddp["allreduce_hook"][0] < 1e-5
+        assert ddp["fp16_compress_hook"][0] < 2e-3
+        assert ddp["bf16_compress_hook"][0] < 2e-2
+        full_bytes = ddp["allreduce_hook"][2]
+        assert ddp["fp16_compress_hook"][2] * 2 == full_bytes == ddp["bf16_compress_hook"][2] * 2
+        assert all(steps == 1 for _, steps, _ in ddp.values())

@@ -1,0 +1,138 @@
+"""SyncBatchNorm equals BatchNorm over the whole batch: outputs, gradients, running stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lockstep
+from lockstep.sync_batchnorm import SyncBatchNorm
+
+C = 4
+
+
+def _global_batch(sizes: list[int], step: int, spatial: tuple[int, ...]) -> tuple:
+    gen = torch.Generator().manual_seed(10 + step)
+    n = sum(sizes)
+    x = torch.randn(n, C, *spatial, generator=gen) * 3 + 5  # a large mean tests cancellation
+    grad_y = torch.randn(n, C, *spatial, generator=gen)
+    return x, grad_y
+
+
+def _reference_bn(spatial: tuple[int, ...], momentum: float | None) -> torch.nn.Module:
+    cls = {0: torch.nn.BatchNorm1d, 1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d}[len(spatial)]
+    bn = cls(C, momentum=momentum)
+    with torch.no_grad():
+        bn.weight.copy_(torch.linspace(0.5, 2.0, C))
+        bn.bias.copy_(torch.linspace(-1.0, 1.0, C))
+    return bn
+
+
+def _compare(sizes: list[int], rank: int, spatial: tuple[int, ...], momentum=0.1) -> dict:
+    """Train both for 3 steps on the same data; return the worst difference of each kind."""
+    reference = _reference_bn(spatial, momentum)
+    sync = SyncBatchNorm.convert_sync_batchnorm(_reference_bn(spatial, momentum))
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    worst = {"output": 0.0, "grad_input": 0.0, "grad_weight": 0.0, "running": 0.0}
+    for step in range(3):
+        x, grad_y = _global_batch(sizes, step, spatial)
+        x_full = x.clone().requires_grad_()
+        y_full = reference(x_full)
+        y_full.backward(grad_y)
+        x_mine = x[start:stop].clone().requires_grad_()
+        y_mine = sync(x_mine)
+        y_mine.backward(grad_y[start:stop])
+        grads = torch.cat([sync.weight.grad, sync.bias.grad])
+        if dist.is_initialized():
+            dist.all_reduce(grads)  # local sums add up to the whole batch's gradient
+        worst["output"] = max(worst["output"], _diff(y_mine, y_full[start:stop]))
+        worst["grad_input"] = max(worst["grad_input"], _diff(x_mine.grad, x_full.grad[start:stop]))
+        full_grads = torch.cat([reference.weight.grad, reference.bias.grad])
+        worst["grad_weight"] = max(worst["grad_weight"], _diff(grads, full_grads))
+        for module in (reference, sync):
+            module.zero_grad()
+    worst["running"] = max(
+        _diff(sync.running_mean, reference.running_mean),
+        _diff(sync.running_var, reference.running_var),
+    )
+    sync.eval(), reference.eval()
+    x, _ = _global_batch(sizes, 99, spatial)
+    with torch.no_grad():
+        worst["eval"] = _diff(sync(x[start:stop]), reference(x)[start:stop])
+    worst["batches"] = int(sync.num_batches_tracked) - int(reference.num_batches_tracked)
+    return worst
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() if a.numel() else 0.0  # an empty rank has nothing to differ
+
+
+def _check(worst: dict) -> None:
+    for kind in ("output", "grad_input", "grad_weight", "running", "eval"):
+        assert worst[kind] < 1e-4, (kind, worst)
+    assert worst["batches"] == 0
+
+
+# ---- one process, no communication --------------------------------------------------------
+@pytest.mark.parametrize("spatial, momentum", [((), 0.1), ((5,), None), ((3, 2), 0.3)])
+def test_world_of_one_equals_batchnorm(spatial, momentum):
+    _check(_compare([6], 0, spatial, momentum))
+
+
+def test_convert_keeps_state_and_structure():
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, C, 3), torch.nn.BatchNorm2d(C),
+        torch.nn.Sequential(torch.nn.BatchNorm1d(2)),
+    )
+    model[1].running_mean.fill_(0.5)
+    model.eval()
+    converted = SyncBatchNorm.convert_sync_batchnorm(model)
+    assert converted is model
+    assert type(model[1]) is SyncBatchNorm and type(model[2][0]) is SyncBatchNorm
+    assert torch.equal(model[1].running_mean, torch.full((C,), 0.5))
+    assert not model[1].training
+    assert set(model.state_dict()) == set(
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, C, 3), torch.nn.BatchNorm2d(C),
+            torch.nn.Sequential(torch.nn.BatchNorm1d(2)),
+        ).state_dict()
+    )
+    bare = torch.nn.BatchNorm1d(3)
+    assert isinstance(SyncBatchNorm.convert_sync_batchnorm(bare), SyncBatchNorm)
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((C,), r"expects an input of shape \(N, C, \.\.\.\), got 1-D"),
+        ((2, C + 1), f"built for {C} channels, but the input has {C + 1}"),
+        ((1, C), "needs more than 1 value per channel over all ranks"),
+    ],
+)
+def test_errors_name_the_shape(shape, message):
+    with pytest.raises(ValueError, match=message):
+        SyncBatchNorm(C)(torch.randn(shape))
+
+
+def test_bf16_input_keeps_dtype_and_matches_float32():
+    x = torch.randn(8, C, 3)
+    bn = SyncBatchNorm(C)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = bn(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), SyncBatchNorm(C)(x.bfloat16().float()), atol=2e-2)
+
+
+# ---- several ranks ------------------------------------------------------------------------
+def _worker(rank: int, sizes: list[int]) -> list[dict]:
+    lockstep.init_distributed()
+    return [_compare(sizes, rank, spatial) for spatial in ((), (3, 2))]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sizes", [[1, 4], [3, 0, 4]], ids=["world2", "world3-empty-rank"])
+def test_equals_whole_batch_batchnorm(sizes):
+    for per_rank in lockstep.spawn(_worker, len(sizes), args=(sizes,), timeout=120):
+        for worst in per_rank:
+            _check(worst)
