@@ -457,3 +457,15 @@ def test_gpu_nccl_matches_reference():
     world = min(torch.cuda.device_count(), 2)
     for result in lockstep.spawn(_gpu_scenarios, world, timeout=120):
         assert result["grad_diff"] < 1e-2, result
+
+
+def test_model_split_over_devices_is_rejected(world1):
+    model = _mlp()
+    model[4].to("meta")  # any second device: lockstep's DDP drives one device per process
+    with pytest.raises(ValueError, match=r"parameter '4.weight' is on meta but '0.weight' is on cpu"):
+        lockstep.DistributedDataParallel(model)
+
+
+def test_several_device_ids_are_rejected(world1):
+    with pytest.raises(ValueError, match=r"device_ids=\['cpu', 'cpu'\]: lockstep's DDP drives one device"):
+        lockstep.DistributedDataParallel(_mlp(), device_ids=["cpu", "cpu"])

@@ -74,10 +74,13 @@ def broadcast_coalesced(
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
+    is_src = dist.get_rank() == src
     for group_tensors in by_key.values():
         for chunk in _chunks(group_tensors):
             flat = _flatten_dense_tensors([t.detach() for t in chunk])
             dist.broadcast(flat, src=src, group=group)
+            if is_src:
+                continue  # the source already holds these values
             with torch.no_grad():
                 for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
                     t.copy_(synced)
