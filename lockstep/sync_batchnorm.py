@@ -188,8 +188,11 @@ class SyncBatchNorm(_BatchNorm):
         # Statistics in float32 even under autocast: bf16 sums over a batch lose too much.
         with torch.autocast(device_type=input.device.type, enabled=False):
             work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+            # Only training synchronises: evaluation (even without running statistics) stays
+            # local, so one rank may evaluate alone without hanging the others.
+            group = self._group() if self.training else None
             y, mean, var, count = _SyncBatchNormFunction.apply(
-                work, self.weight, self.bias, self.eps, self._group()
+                work, self.weight, self.bias, self.eps, group
             )
         if self.training and self.track_running_stats:
             self._update_running_stats(mean, var, int(count.item()))

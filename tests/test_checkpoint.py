@@ -360,3 +360,19 @@ def _zero_round_trip(rank: int, directory: str) -> float:
 
 def test_zero_optimizer_checkpoints_without_manual_consolidation(tmp_path):
     assert lockstep.spawn(_zero_round_trip, 2, (str(tmp_path),), timeout=90) == [0.0, 0.0]
+
+
+def test_nested_wrapper_prefixes_are_stripped(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    nested = {f"_orig_mod.module.{k}": v for k, v in model.state_dict().items()}  # compile(DDP(m))
+    torch.save(nested, tmp_path / "nested.pt")
+    target = torch.nn.Linear(2, 2)
+    lockstep.load_weights(target, tmp_path / "nested.pt")
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values()))
+
+
+def test_damaged_safetensors_is_a_checkpoint_error(tmp_path):
+    bad = tmp_path / "w.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(lockstep.CheckpointError, match="cannot read .*w.safetensors"):
+        lockstep.load_weights(torch.nn.Linear(2, 2), bad)

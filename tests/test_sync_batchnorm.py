@@ -136,3 +136,16 @@ def test_equals_whole_batch_batchnorm(sizes):
     for per_rank in lockstep.spawn(_worker, len(sizes), args=(sizes,), timeout=120):
         for worst in per_rank:
             _check(worst)
+
+
+def _rank0_evaluates_alone(rank: int) -> bool:
+    lockstep.init_distributed()
+    bn = SyncBatchNorm(3, track_running_stats=False).eval()
+    if rank == 0:  # batch statistics, computed locally: must not wait for rank 1
+        out = bn(torch.randn(4, 3))
+        return bool(torch.isfinite(out).all())
+    return True
+
+
+def test_eval_without_running_stats_stays_local():
+    assert lockstep.spawn(_rank0_evaluates_alone, 2, timeout=60) == [True, True]

@@ -193,7 +193,10 @@ def load_file(path: Path | str) -> Any:
             from safetensors.torch import load_file as load_safetensors
         except ImportError as exc:
             raise CheckpointError(f"reading {path} needs `pip install safetensors`") from exc
-        return load_safetensors(str(path), device="cpu")
+        try:
+            return load_safetensors(str(path), device="cpu")
+        except Exception as exc:  # noqa: BLE001 - missing or damaged: one error type for callers
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         with path.open("rb") as f:
             if f.read(len(_MAGIC)) != _MAGIC:

@@ -285,7 +285,10 @@ class Checkpointer:
         meta = state.get("meta", {}) if isinstance(state, dict) else {}
         if meta.get("format") != _FORMAT:
             raise CheckpointError(f"{path / _STATE_FILE} has unknown format {meta.get('format')!r}")
-        for rank in range(meta["world_size"]):
+        world = meta.get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"{path / _STATE_FILE} records no valid world_size ({world!r})")
+        for rank in range(world):
             read_verified(path / _rng_file(rank))
         return state
 

@@ -74,9 +74,13 @@ def apply_state(name: str, obj: Any, state: Any, source: str) -> None:
 
 def _strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
     state = dict(state)
-    for prefix in _WRAPPER_PREFIXES:
-        if state and all(key.startswith(prefix) for key in state):
-            state = {key[len(prefix):]: value for key, value in state.items()}
+    stripped = True
+    while stripped:  # nested wrappers, e.g. torch.compile(DDP(m)): "_orig_mod.module.w"
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if state and all(key.startswith(prefix) for key in state):
+                state = {key[len(prefix):]: value for key, value in state.items()}
+                stripped = True
     return state
 
 
