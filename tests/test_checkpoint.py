@@ -376,3 +376,14 @@ def test_damaged_safetensors_is_a_checkpoint_error(tmp_path):
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(lockstep.CheckpointError, match="cannot read .*w.safetensors"):
         lockstep.load_weights(torch.nn.Linear(2, 2), bad)
+
+
+def test_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    ckpt = lockstep.Checkpointer(tmp_path, keep=1)
+    first = ckpt.save(1, model=model)
+    os.replace(first, tmp_path / f".replaced-{first.name}")  # as if killed mid-publish
+    ckpt.save(2, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        (tmp_path / ckpt.latest()).name]
+    assert ckpt.latest().name != first.name or first.exists()

@@ -242,6 +242,14 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".staging-*"):
             shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a crash
+        for replaced in self.directory.glob(".replaced-*"):
+            # A crash between moving a re-saved step aside and publishing its new copy: put
+            # the old copy back when no new one made it, otherwise it is garbage.
+            final = self.directory / replaced.name[len(".replaced-"):]
+            if final.exists():
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.replace(replaced, final)
         staging.mkdir()
 
     def _write_state(
@@ -259,7 +267,7 @@ class Checkpointer:
         fsync_dir(staging)
         if final.exists():
             # Re-saving a step (its earlier copy was damaged): move it aside, never overwrite.
-            trash = self.directory / f".staging-replaced-{final.name}"
+            trash = self.directory / f".replaced-{final.name}"
             os.replace(final, trash)
             os.replace(staging, final)
             shutil.rmtree(trash, ignore_errors=True)
