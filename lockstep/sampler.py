@@ -217,7 +217,7 @@ class DistributedSampler(Sampler[int]):
         """Resume at the epoch and position saved by :meth:`state_dict`.
 
         The next pass yields only the samples the saved job had not yet consumed, sharded over
-        this sampler's ranks; the pass after it starts the next epoch.
+        this sampler's ranks; call ``set_epoch(epoch + 1)`` before the pass after it, as usual.
 
         Raises:
             ValueError: the state is malformed or was saved with another seed or dataset size.

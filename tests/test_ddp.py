@@ -243,9 +243,60 @@ def _rebuild_changes_buckets() -> float:
     return _equivalence("ooo", OutOfOrder, _sgd, bucket_cap_mb=0.0015)
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time: a backward that dies half-way."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("deliberate failure inside backward")
+        return grad
+
+
+def _robustness() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    ddp = lockstep.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    ddp.enable_step_timing()
+    xs, ys = _batches("mlp", 0, world)
+    # 1. a backward that raises after some gradients arrived; the next one must still work.
+    # The failing node sits before the model, so every parameter's gradient arrives first.
+    out = ddp(_FailOnce.apply(xs[rank].clone().requires_grad_()))
+    try:
+        F.mse_loss(out, ys[rank]).backward()
+    except RuntimeError:
+        pass
+    model.zero_grad()
+    F.mse_loss(ddp(xs[rank]), ys[rank]).backward()
+    (sum(F.mse_loss(reference(xs[r]), ys[r]) for r in range(world)) / world).backward()
+    after_failure = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    # 2. a no_sync iteration is timed too.
+    before = len(ddp.step_timings)
+    with ddp.no_sync():
+        F.mse_loss(ddp(xs[rank]), ys[rank]).backward()
+    timed_no_sync = len(ddp.step_timings) - before
+    # 3. assign=True would replace the hooked parameters.
+    try:
+        ddp.load_state_dict(model.state_dict(), assign=True)
+        assign_refused = False
+    except ValueError as exc:
+        assign_refused = "assign=True" in str(exc)
+    return {"after_failure": after_failure, "timed_no_sync": timed_no_sync, "assign_refused": assign_refused}
+
+
 def _scenarios(rank: int) -> dict:
     lockstep.init_distributed()
     out = {
+        "robustness": _robustness(),
         "rebuild_changes_buckets": _rebuild_changes_buckets(),
         "mlp": _equivalence("mlp", _mlp, _sgd),
         "mlp_small_buckets": _equivalence("mlp", _mlp, _sgd, bucket_cap_mb=0.001),
@@ -301,6 +352,12 @@ def test_buffers_broadcast_from_rank0(world2):
 def test_torch_comm_hooks_and_step_timing(world2):
     for plain, fp16, timings in (r["hooks"] for r in world2):
         assert plain < TOL and fp16 < 1e-3 and timings == 1
+
+
+def test_failed_backward_timing_and_assign(world2):
+    for r in world2:
+        assert r["robustness"]["after_failure"] < TOL
+        assert r["robustness"]["timed_no_sync"] == 1 and r["robustness"]["assign_refused"]
 
 
 def test_buckets_rebuilt_in_arrival_order(world2):

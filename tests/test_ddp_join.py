@@ -72,3 +72,19 @@ def _early_termination(rank: int) -> None:
 def test_throw_on_early_termination_raises_instead_of_hanging():
     with pytest.raises(lockstep.WorkerError, match="ran out"):
         lockstep.spawn(_early_termination, 3, timeout=60)
+
+
+def _buffers_from_an_active_rank(rank: int) -> int:
+    lockstep.init_distributed()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    ddp = lockstep.DistributedDataParallel(model)
+    with ddp.join():
+        for step in range([1, 3][rank]):  # rank 0, the usual buffer source, stops first
+            ddp(_data(step, rank)[0]).sum().backward()
+    return int(model[1].num_batches_tracked)
+
+
+def test_buffers_come_from_an_active_rank_once_rank0_joined():
+    # Every forward of rank 1 must count: rank 0's frozen statistics must not overwrite them.
+    assert lockstep.spawn(_buffers_from_an_active_rank, 2, timeout=60) == [3, 3]

@@ -41,14 +41,29 @@ class UnevenInputs:
         self.throw_on_early_termination = throw_on_early_termination
         self.iterations = 0
 
-    def _exchange(self, active: int, sync: int) -> tuple[int, int]:
-        flags = torch.tensor([active, sync], dtype=torch.int32, device=self.ddp._device)
-        dist.all_reduce(flags, group=self.ddp.process_group)
-        return int(flags[0]), int(flags[1])
+    def _exchange(self, active: bool, sync: bool) -> tuple[int, int, int | None]:
+        """All-reduce who is active and whether backward syncs.
 
-    def announce(self, sync_backward: bool) -> None:
-        """Active rank, before each forward: tell joined ranks what this iteration does."""
-        active, _ = self._exchange(1, int(sync_backward))
+        Returns:
+            (number of active ranks, number that will sync, global rank of the lowest active
+            group rank — the source of buffers while rank 0 may have joined — or None).
+        """
+        world = self.ddp.world_size
+        flags = torch.zeros(world + 1, dtype=torch.int32, device=self.ddp._device)
+        flags[0] = int(sync)
+        flags[1 + dist.get_rank(self.ddp.process_group)] = int(active)
+        dist.all_reduce(flags, group=self.ddp.process_group)
+        active_ranks = flags[1:].nonzero().flatten().tolist()
+        src = dist.get_global_rank(self.ddp.process_group, active_ranks[0]) if active_ranks else None
+        return len(active_ranks), int(flags[0]), src
+
+    def announce(self, sync_backward: bool) -> int:
+        """Active rank, before each forward: tell joined ranks what this iteration does.
+
+        Returns:
+            The global rank whose buffers this iteration broadcasts (an active one).
+        """
+        active, _, src = self._exchange(True, sync_backward)
         world = self.ddp.world_size
         if active < world and self.throw_on_early_termination:
             raise RuntimeError(
@@ -60,12 +75,13 @@ class UnevenInputs:
             divisor = world if self.divide_by_initial_world_size else active
             self.ddp._reducer.grad_scale = world / divisor
         self.iterations += 1
+        return src
 
     def shadow_until_all_joined(self) -> None:
         """Joined rank: mirror the active ranks' collectives until every rank has joined."""
         reducer = self.ddp._reducer
         while True:
-            active, sync = self._exchange(0, 0)
+            active, sync, src = self._exchange(False, False)
             if active == 0:
                 break
             if self.throw_on_early_termination:
@@ -73,7 +89,7 @@ class UnevenInputs:
                     f"DistributedDataParallel.join: rank {dist.get_rank()} ran out of inputs "
                     f"while {active} rank(s) still have some (throw_on_early_termination=True)."
                 )
-            self.ddp._sync_buffers()
+            self.ddp._sync_buffers(src)
             if sync and reducer is not None:
                 reducer.shadow_backward()
         self._sync_final_model()

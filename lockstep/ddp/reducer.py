@@ -122,6 +122,8 @@ class Reducer:
         if self._callback_queued:
             # A previous backward died half-way (an exception inside it): start clean.
             self._reset_iteration()
+            if not self._rebuilt:
+                self._arrival = []
         self._active = sync
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -181,7 +183,8 @@ class Reducer:
         for i in unready:
             param, (b, slot) = self.params[i], self._where[i]
             view = self.buckets[b].views[slot]
-            saved[i] = None if param.grad is None else param.grad.detach().clone()
+            if self.find_unused:  # globally unused parameters get this back
+                saved[i] = None if param.grad is None else param.grad.detach().clone()
             if param.grad is None:
                 view.zero_()
             elif param.grad is not view:
@@ -211,6 +214,8 @@ class Reducer:
             self._wait_all()
             if unready and not self.find_unused:
                 names = [self.names[i] for i in unready]
+                if not self._rebuilt:
+                    self._rebuild_in_arrival_order()  # peers are in it: keep them in step
                 raise RuntimeError(
                     f"DistributedDataParallel: rank {dist.get_rank()} computed no gradient for "
                     f"{len(names)} parameter(s) in this backward pass: {names[:10]}"

@@ -146,21 +146,24 @@ class DistributedDataParallel(nn.Module):
                 self.device_ids[0], int) else torch.device(self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         grad_enabled = torch.is_grad_enabled()
+        src = self._src
         if self._uneven is not None:
-            self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
-        self._sync_buffers()
+            src = self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
+        self._sync_buffers(src)
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync)
         if clock is not None:
             clock.forward_ended()
             if grad_enabled:
-                _hook_first_tensor(output, clock, end_on_backward=reducer is None)
+                ends_itself = reducer is None or not self.require_backward_grad_sync
+                _hook_first_tensor(output, clock, end_on_backward=ends_itself)
         return output
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, src: int) -> None:
+        """Broadcast buffers from global rank ``src`` (rank 0, or an active rank under join)."""
         if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            broadcast_coalesced(self._buffers_to_sync, self._src, self.process_group)
+            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
 
     @contextlib.contextmanager
     def join(
@@ -245,7 +248,18 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load keys with or without torch DDP's ``module.`` prefix."""
+        """Load keys with or without torch DDP's ``module.`` prefix.
+
+        Raises:
+            ValueError: ``assign=True`` with several ranks (it would replace the parameters
+                whose gradients are being averaged).
+        """
+        if assign and self._reducer is not None:
+            raise ValueError(
+                "DistributedDataParallel.load_state_dict(assign=True) would replace the "
+                "parameters lockstep averages; load with assign=False (the default), or load "
+                "into the module before wrapping it."
+            )
         if state_dict and all(k.startswith(_PREFIX) for k in state_dict):
             state_dict = {k[len(_PREFIX):]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

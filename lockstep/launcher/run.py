@@ -53,10 +53,14 @@ def scoped_environ(updates: Mapping[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _log_dir(requested: str | None) -> Iterator[str]:
-    """The user's ``--log-dir``, kept; or a private temporary one, removed afterwards."""
+    """A fresh folder inside the user's ``--log-dir``, kept; or a private one, removed afterwards.
+
+    Fresh even in a reused ``--log-dir``: output relaying and failure reports look for
+    ``attempt_*`` folders, and must never pick up an earlier run's.
+    """
     if requested:
         os.makedirs(requested, exist_ok=True)
-        yield requested
+        yield tempfile.mkdtemp(prefix="lockstep_run_", dir=requested)
         return
     path = tempfile.mkdtemp(prefix="lockstep_run_")
     try:
