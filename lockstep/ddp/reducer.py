@@ -120,7 +120,14 @@ class Reducer:
     def prepare_for_backward(self, sync: bool) -> None:
         """Called at the end of each forward: whether the coming backward synchronises."""
         if self._callback_queued:
-            # A previous backward died half-way (an exception inside it): start clean.
+            # A previous backward died half-way (an exception inside it): let its all-reduces
+            # finish writing into the buckets before they are reused, then start clean.
+            for fut in self._futures:
+                if fut is not None:
+                    try:
+                        fut.wait()
+                    except Exception:  # noqa: BLE001 - that iteration already failed
+                        logger.debug("all-reduce of an abandoned backward failed", exc_info=True)
             self._reset_iteration()
             if not self._rebuilt:
                 self._arrival = []
