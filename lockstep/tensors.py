@@ -1,0 +1,70 @@
+"""One home for walking nested batches: tensors inside tuples, lists, dicts, namedtuples, dataclasses.
+
+DataParallel's scatter, DDP's ``device_ids`` input move and the helper's loader all move a
+user's batch to a device; they share this walk so that every one of them accepts the same
+containers and treats them the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["map_tensors", "iter_tensors", "move_to"]
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of ``obj`` with ``fn`` applied to every tensor; other leaves are kept as they are.
+
+    Containers keep their type: tuples, lists, dicts (and their subclasses that take an
+    iterable), namedtuples and dataclass instances (rebuilt with ``dataclasses.replace``).
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        mapped = {k: map_tensors(v, fn) for k, v in obj.items()}
+        return mapped if type(obj) is dict else type(obj)(mapped)
+    if _is_dataclass_instance(obj):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``, depth first, in container order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def move_to(obj: Any, device: torch.device | str, non_blocking: bool | None = None) -> Any:
+    """Move every tensor inside ``obj`` to ``device``.
+
+    Args:
+        obj: a tensor, or a nest of tuples, lists, dicts, namedtuples and dataclasses.
+        device: where the tensors go.
+        non_blocking: passed to ``Tensor.to``; None means "when the target is CUDA" (an
+            asynchronous host-to-device copy, which only pinned memory makes truly async).
+    """
+    device = torch.device(device)
+    nb = device.type == "cuda" if non_blocking is None else non_blocking
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=nb))

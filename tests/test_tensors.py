@@ -1,0 +1,34 @@
+"""lockstep.tensors: the one walk over nested batches."""
+
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import torch
+
+from lockstep.tensors import iter_tensors, map_tensors, move_to
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    label: str
+
+
+def test_map_keeps_container_types_and_non_tensors():
+    nest = {"a": (torch.ones(1), [torch.zeros(2)]), "p": Pair(torch.ones(1), 3),
+            "b": Batch(torch.ones(2), "hi"), "o": OrderedDict(k=torch.ones(1))}
+    out = map_tensors(nest, lambda t: t + 1)
+    assert isinstance(out["a"], tuple) and isinstance(out["a"][1], list)
+    assert isinstance(out["p"], Pair) and out["p"].y == 3
+    assert isinstance(out["b"], Batch) and out["b"].label == "hi"
+    assert isinstance(out["o"], OrderedDict)
+    assert torch.equal(out["a"][1][0], torch.ones(2))
+    assert torch.equal(out["b"].ids, torch.full((2,), 2.0))
+    assert len(list(iter_tensors(nest))) == 5
+
+
+def test_move_to_device():
+    out = move_to([torch.ones(1, dtype=torch.float64)], "cpu")
+    assert out[0].device.type == "cpu"
