@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ProcessInfo", "detect_process_info", "expand_slurm_nodelist", "default_backend"]
+__all__ = [
+    "ProcessInfo",
+    "default_backend",
+    "detect_process_info",
+    "expand_slurm_nodelist",
+    "expand_slurm_tasks_per_node",
+]
 
 # SLURM gives no port; derive one from the job id so every task of a job agrees on it
 # without talking, and two jobs sharing a node rarely collide.
@@ -47,7 +53,7 @@ class ProcessInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     source: str = "single"
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
 
     @property
@@ -94,6 +100,48 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def expand_slurm_tasks_per_node(value: str) -> list[int]:
+    """Expand SLURM's compressed tasks-per-node list, e.g. ``"4,2(x3)"``.
+
+    Returns:
+        The task count of each node in order: ``[4, 2, 2, 2]``.
+
+    Raises:
+        ValueError: the value is not in SLURM's ``N`` / ``N(xK)`` comma-separated form.
+    """
+    counts: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise ValueError(
+                f"SLURM tasks-per-node value {value!r} is not of the form '4' or '4,2(x3)'"
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _slurm_local_world_size(env: Mapping[str, str], rank: int, local_rank: int) -> int:
+    """Workers on this node: from the step's tasks-per-node list, which SLURM always sets.
+
+    ``SLURM_NTASKS_PER_NODE`` exists only when ``--ntasks-per-node`` was given; the
+    ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_TASKS_PER_NODE`` lists exist for every job step.
+    """
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            counts = expand_slurm_tasks_per_node(env[name])
+            if "SLURM_NODEID" in env:
+                node = _int(env, "SLURM_NODEID")
+            else:  # block distribution (SLURM's default): ranks fill node 0 first
+                node, first = 0, 0
+                while node < len(counts) - 1 and rank >= first + counts[node]:
+                    first += counts[node]
+                    node += 1
+            if 0 <= node < len(counts):
+                return counts[node]
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    return int(per_node) if per_node.isdigit() else max(local_rank + 1, 1)
+
+
 def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo:
     """Read this process's place in the job from the environment.
 
@@ -113,8 +161,7 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
-        tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        local_world = int(tasks_per_node) if tasks_per_node.isdigit() else max(local_rank + 1, 1)
+        local_world = _slurm_local_world_size(env, rank, local_rank)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         addr = env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0]
         if "MASTER_PORT" in env:

@@ -132,3 +132,31 @@ def test_world_of_one_listens_on_loopback_only():
         assert all(a in ("0100007F", "00000000000000000000000001000000") for a in addresses), addresses
     finally:
         lockstep.shutdown_distributed()
+
+
+def test_slurm_tasks_per_node_forms():
+    from lockstep.env import expand_slurm_tasks_per_node
+
+    assert expand_slurm_tasks_per_node("2(x2)") == [2, 2]
+    assert expand_slurm_tasks_per_node("4,2(x3)") == [4, 2, 2, 2]
+    assert expand_slurm_tasks_per_node("8") == [8]
+    with pytest.raises(ValueError, match="tasks-per-node"):
+        expand_slurm_tasks_per_node("two")
+
+
+def test_slurm_local_world_size_without_ntasks_per_node():
+    """srun -n 4 over 2 nodes: every rank sees 2 workers on its node (not local_rank + 1)."""
+    base = {"SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODELIST": "n[1-2]"}
+    sizes = []
+    for rank in range(4):
+        env = dict(base, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2),
+                   SLURM_NODEID=str(rank // 2))
+        sizes.append(detect_process_info(env).local_world_size)
+    assert sizes == [2, 2, 2, 2]
+    # Uneven nodes, node id derived from the block distribution when SLURM_NODEID is absent.
+    uneven = {"SLURM_NTASKS": "10", "SLURM_TASKS_PER_NODE": "4,2(x3)", "SLURM_NODELIST": "n[1-4]"}
+    got = [detect_process_info(dict(uneven, SLURM_PROCID=str(r))).local_world_size
+           for r in range(10)]
+    assert got == [4] * 4 + [2] * 6
+    step = dict(uneven, SLURM_STEP_TASKS_PER_NODE="5,5", SLURM_PROCID="7", SLURM_NODEID="1")
+    assert detect_process_info(step).local_world_size == 5
