@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "GradBucket": "lockstep.ddp.comm_hooks",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__"]  # noqa: PLE0605 - built from the table above
 
 
 def _submodules() -> list[str]:

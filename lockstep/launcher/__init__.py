@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "launch": "lockstep.launcher.run",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LaunchPlan", "launch"]
 
 
 def __getattr__(name: str) -> Any:
