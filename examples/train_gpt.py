@@ -28,7 +28,8 @@ from torch.utils.data import Subset
 import lockstep
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags; ``--help`` shows each with its default."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -49,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--device", default=None, help="e.g. cpu; None picks this worker's GPU, else the CPU")
     add("--seed", type=int, default=0, help="seed of the initial weights and the data order")
     add("--out-dir", type=Path, default=Path("runs/demo"), help="where metrics.json and loss.png go")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks"):
         if getattr(args, name) < 1:
