@@ -79,8 +79,12 @@ def _needs_multirank(item: pytest.Item) -> bool:
     if _starts_processes(getattr(item, "obj", None), seen):
         return True
     fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    seen.add(id(_processes_only_in_multirank.__wrapped__))  # the guard below names them to patch them
-    return any(_starts_processes(d.func, seen) for defs in fixtures.values() for d in defs)
+    return any(
+        _starts_processes(d.func, seen)
+        for defs in fixtures.values()
+        for d in defs
+        if d.argname != "_processes_only_in_multirank"  # it names them to patch them
+    )
 
 
 def pytest_collection_modifyitems(config, items):
