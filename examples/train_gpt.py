@@ -28,25 +28,33 @@ from torch.utils.data import Subset
 import lockstep
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags; ``--help`` shows each with its default."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add = parser.add_argument
-    add("--max-steps", type=int, default=250, help="optimizer steps (default: 250)")
+    add("--max-steps", type=int, default=250, help="optimizer steps")
     add("--batch-size", type=int, default=16, help="sequences per step on each worker")
     add("--block-size", type=int, default=128, help="characters of context")
-    add("--n-layer", type=int, default=4)
-    add("--n-head", type=int, default=4)
-    add("--n-embd", type=int, default=128)
-    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    add("--warmup-steps", type=int, default=20)
+    add("--n-layer", type=int, default=4, help="transformer blocks")
+    add("--n-head", type=int, default=4, help="attention heads per block")
+    add("--n-embd", type=int, default=128, help="width of the model")
+    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; warmup, then cosine)")
+    add("--warmup-steps", type=int, default=20, help="steps of linear learning-rate warmup")
     add("--eval-interval", type=int, default=50, help="steps between validation runs")
     add("--eval-blocks", type=int, default=128, help="held-out sequences per validation run")
     add("--log-interval", type=int, default=10, help="steps between loss averages over ranks")
-    add("--max-files", type=int, default=None, help="read only the first N stdlib files")
+    add("--max-files", type=int, default=None, help="read only the first N stdlib files; None reads them all")
     add("--sample-chars", type=int, default=200, help="characters to generate at the end")
-    add("--device", default=None, help="e.g. cpu; by default this worker's GPU, else the CPU")
-    add("--seed", type=int, default=0)
-    add("--out-dir", type=Path, default=Path("runs/demo"))
+    add("--device", default=None, help="e.g. cpu; None picks this worker's GPU, else the CPU")
+    add("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    add("--out-dir", type=Path, default=Path("runs/demo"), help="where metrics.json and loss.png go")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks"):
         if getattr(args, name) < 1:

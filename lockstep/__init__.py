@@ -1,12 +1,20 @@
 """lockstep: data-parallel training for PyTorch.
 
 Public names are imported lazily, so ``import lockstep`` stays cheap and a launcher process
-never imports the training machinery it does not use.
+never imports the training machinery it does not use. One rule for reaching anything:
+
+- ``lockstep.Name`` for the names in ``_EXPORTS`` below;
+- ``lockstep.<submodule>`` for every module and subpackage of lockstep (``lockstep.helper``,
+  ``lockstep.zero``...), imported on first access;
+- ``lockstep.<subpackage>.Name`` / ``from lockstep.<subpackage> import Name`` for the public
+  names each subpackage's ``__init__`` lists in its ``__all__``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 from typing import Any
 
 __version__ = "0.1.0"
@@ -43,17 +51,25 @@ _EXPORTS: dict[str, str] = {
     "GradBucket": "lockstep.ddp.comm_hooks",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__"]  # noqa: PLE0605 - built from the table above
+
+
+def _submodules() -> list[str]:
+    """The modules and subpackages reachable as ``lockstep.<name>`` (imported on first access)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return sorted(set(__all__) | set(_submodules()))

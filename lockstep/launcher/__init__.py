@@ -8,8 +8,36 @@
 - :mod:`~lockstep.launcher.errors`: the root cause of a failed job.
 - :mod:`~lockstep.launcher.run`: the launch itself and its exit status.
 
-Submodules are imported on use so that a worker importing :mod:`lockstep.launcher.worker`
-does not load the launcher.
+Public names (:func:`launch`, :class:`LaunchPlan`) and submodules are imported on first access,
+so that a worker importing :mod:`lockstep.launcher.worker` does not load the launcher.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "LaunchPlan": "lockstep.launcher.config",
+    "launch": "lockstep.launcher.run",
+}
+
+__all__ = ["LaunchPlan", "launch"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'lockstep.launcher' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

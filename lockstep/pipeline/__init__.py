@@ -7,5 +7,11 @@ public :class:`Pipeline`.
 """
 
 from lockstep.pipeline.pipe import Pipeline
+from lockstep.pipeline.schedule import (
+    format_schedule,
+    format_timeline,
+    gpipe,
+    one_f_one_b,
+)
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "format_schedule", "format_timeline", "gpipe", "one_f_one_b"]

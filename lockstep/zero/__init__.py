@@ -7,4 +7,6 @@ state dicts between a shard and the whole, and ``optimizer`` ties them into
 Optimizations Toward Training Trillion Parameter Models" (2020).
 """
 
-__all__: list[str] = []
+from lockstep.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["ZeroRedundancyOptimizer"]
