@@ -60,9 +60,16 @@ def snippets(page: Path) -> list[Snippet]:
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         assert end is not None, f"{page.name}:{i + 1}: unclosed code block"
-        if fence == "```python":
+        info = fence[3:].strip()
+        assert info == "python" or not info.startswith(("py", "ipython")), (
+            f"{page.name}:{i + 1}: write ```python (a script that runs) instead of ```{info}"
+        )
+        if info == "python":
             marker = lines[i - 1].strip() if i > 0 else ""
             launch = LAUNCH.fullmatch(marker)
+            assert not marker.startswith("<!--") or marker == FRAGMENT or launch, (
+                f"{page.name}:{i}: unknown marker {marker}: use {FRAGMENT} or <!-- launch: N -->"
+            )
             code = "\n".join(lines[i + 1 : end]) + "\n"
             found.append(Snippet(page, i + 1, code, marker == FRAGMENT, int(launch[1]) if launch else None))
         i = end + 1
