@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from lockstep.dp.scatter_gather import DeviceLike, _as_device
+from lockstep.dp.cpu_rng import ReplicaGenerators
+from lockstep.dp.devices import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
 
@@ -25,6 +26,8 @@ def parallel_apply(
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike] | None = None,
+    *,
+    fork_cpu_rng: bool = False,
 ) -> list[Any]:
     """Call ``modules[i](*inputs[i], **kwargs_tup[i])`` for every ``i``, each in its own thread.
 
@@ -33,6 +36,10 @@ def parallel_apply(
         inputs: one argument tuple per replica (a non-tuple is passed as the only argument).
         kwargs_tup: one keyword dict per replica.
         devices: the device of each replica; by default that of its first parameter, else CPU.
+        fork_cpu_rng: when several replicas run on the CPU, give each its own CPU generator
+            state and let them take turns (:mod:`lockstep.dp.cpu_rng`), so random draws such
+            as dropout masks are reproducible and differ between replicas. DataParallel sets it;
+            by default CPU replicas run at the same time and share the CPU generator.
 
     Returns:
         The outputs, in replica order.
@@ -56,17 +63,19 @@ def parallel_apply(
             f"parallel_apply got {n} modules but {len(kwargs_list)} kwargs; pass one dict per module"
         )
     if devices is not None:
-        devs = [_as_device(d) for d in devices]
+        devs = [as_device(d) for d in devices]
     else:
         devs = [_device_of(m) for m in modules]
     state = _ThreadState.capture(devs)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    forked = fork_cpu_rng and n > 1 and all(d.type == "cpu" for d in devs)
+    rng = ReplicaGenerators(n) if forked else None
 
     def work(i: int) -> None:
         args = inputs[i] if isinstance(inputs[i], (tuple, list)) else (inputs[i],)
         try:
-            with state.enter(devs[i]):
+            with state.enter(devs[i]), (rng.turn(i) if rng else contextlib.nullcontext()):
                 results[i] = modules[i](*args, **kwargs_list[i])
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller below
             errors[i] = exc
@@ -81,6 +90,8 @@ def parallel_apply(
             t.start()
         for t in threads:
             t.join()
+    if rng is not None:
+        rng.finish()
     _raise_first(errors, devs)
     return results
 
