@@ -1,65 +1,53 @@
-"""Random numbers for replicas that share the CPU: one generator state per replica, reproducibly.
+"""Random numbers for replicas that share the CPU: they draw in replica order, as one process would.
 
-On CUDA every device has its own generator, so replicas on different GPUs draw different random
-numbers (dropout masks) while replica 0 continues the caller's stream. On a CPU device list all
-replicas would share torch's one CPU generator, drawing from it in whatever order the threads
-happen to run: masks then depend on thread timing, and a run cannot be repeated. Instead:
+On CUDA every device has its own generator, so replicas on different GPUs draw independently.
+On a CPU device list every replica shares torch's one CPU generator; run at the same time, the
+replicas would take numbers from it in whatever order their threads happen to reach it, so
+dropout masks would depend on thread timing and a run could not be repeated.
 
-* replica 0 draws from the caller's generator state, exactly as the module alone would;
-* replica ``k > 0`` draws from its own state, seeded from a hash of the caller's state and ``k``
-  (the caller's generator is read, not advanced, to derive it);
-* replicas take turns on the CPU generator (one runs at a time, each in its own thread), so
-  each sees only its own state; afterwards the CPU generator is where replica 0 left it.
-
-So the same seed gives the same result on every run, no two replicas share a mask, and the
-caller's stream advances exactly as if replica 0's chunk had run alone.
+Instead, CPU replicas take turns in replica order (each still in its own thread, with the
+caller's grad mode and autocast): replica 0 draws from the caller's generator exactly as the
+module alone would, replica 1 continues where replica 0 stopped, and so on; afterwards the
+generator stands where a single process running the chunks in order leaves it. So a run is
+reproducible from its seed, no two replicas share a mask, and the result is bit for bit what
+the module computes when called on each chunk in turn, dropout masks included. (It is not the
+module run once on the whole batch: that draws layer by layer for every sample, replicas draw
+chunk by chunk; with a single random operation whose draws follow the element order, such as
+one dropout on the CPU, the two coincide.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from typing import Iterator
 
-import torch
-
-__all__ = ["ReplicaGenerators"]
+__all__ = ["TakeTurns"]
 
 
-class ReplicaGenerators:
-    """The CPU generator states of ``n`` replicas of one forward; see the module docstring.
+class TakeTurns:
+    """Let replica threads run their bodies one at a time, in replica order ``0, 1, 2, ...``.
+
+    A replica whose body raises still hands the turn on, so the others never wait forever.
 
     Example:
-        >>> rng = ReplicaGenerators(2)
-        >>> with rng.turn(1):
-        ...     mask = torch.rand(3) > 0.5  # drawn from replica 1's own state
-        >>> rng.finish()  # the CPU generator continues from replica 0's state
+        >>> turns = TakeTurns()
+        >>> with turns.turn(0):
+        ...     pass  # replica 1's ``turn(1)`` waits until this block is left
     """
 
-    def __init__(self, n: int) -> None:
-        self._generator = torch.default_generator
-        start = self._generator.get_state()
-        self._states = [start] + [_derived_state(start, k) for k in range(1, n)]
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
+        self._next = 0
+        self._changed = threading.Condition()
 
     @contextlib.contextmanager
     def turn(self, replica: int) -> Iterator[None]:
-        """Run the body alone on the CPU generator, with replica ``replica``'s state."""
-        with self._lock:
-            self._generator.set_state(self._states[replica])
-            try:
-                yield
-            finally:
-                self._states[replica] = self._generator.get_state()
-
-    def finish(self) -> None:
-        """Leave the CPU generator where replica 0's draws left it."""
-        self._generator.set_state(self._states[0])
-
-
-def _derived_state(start: torch.Tensor, replica: int) -> torch.Tensor:
-    digest = hashlib.blake2b(start.numpy().tobytes(), digest_size=8, key=replica.to_bytes(8, "little"))
-    generator = torch.Generator()
-    generator.manual_seed(int.from_bytes(digest.digest(), "little"))
-    return generator.get_state()
+        """Wait until every replica before ``replica`` is done, run the body, pass the turn on."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._next == replica)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._next = replica + 1
+                self._changed.notify_all()

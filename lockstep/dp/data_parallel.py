@@ -61,9 +61,10 @@ class DataParallel(nn.Module):
     :meth:`gather`. In loss mode ``targets`` travels through :meth:`scatter` as a keyword
     argument, and the callables handed to :meth:`parallel_apply` return ``(loss, outputs)``.
 
-    Random numbers on a CPU device list: replica 0 draws from the caller's generator, each other
-    replica from its own state derived from it, and replicas take turns (see
-    :mod:`lockstep.dp.cpu_rng`): runs are reproducible and replicas never share a dropout mask.
+    Random numbers on a CPU device list: replicas run one after another in replica order, each
+    continuing torch's CPU generator where the previous one stopped (see
+    :mod:`lockstep.dp.cpu_rng`): runs are reproducible, replicas never share a dropout mask, and
+    the result is bit for bit the module's run on each chunk in turn.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -155,7 +156,7 @@ class DataParallel(nn.Module):
     ) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])``, each in its own thread on its device."""
         devices = self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices, fork_cpu_rng=True)
+        return parallel_apply(replicas, inputs, kwargs, devices, cpu_in_order=True)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Join the replicas' outputs on ``output_device`` along ``dim`` (see :func:`gather`)."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from lockstep.dp.cpu_rng import ReplicaGenerators
+from lockstep.dp.cpu_rng import TakeTurns
 from lockstep.dp.devices import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
@@ -27,7 +27,7 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike] | None = None,
     *,
-    fork_cpu_rng: bool = False,
+    cpu_in_order: bool = False,
 ) -> list[Any]:
     """Call ``modules[i](*inputs[i], **kwargs_tup[i])`` for every ``i``, each in its own thread.
 
@@ -36,10 +36,11 @@ def parallel_apply(
         inputs: one argument tuple per replica (a non-tuple is passed as the only argument).
         kwargs_tup: one keyword dict per replica.
         devices: the device of each replica; by default that of its first parameter, else CPU.
-        fork_cpu_rng: when several replicas run on the CPU, give each its own CPU generator
-            state and let them take turns (:mod:`lockstep.dp.cpu_rng`), so random draws such
-            as dropout masks are reproducible and differ between replicas. DataParallel sets it;
-            by default CPU replicas run at the same time and share the CPU generator.
+        cpu_in_order: when every replica runs on the CPU, run them one after another in
+            replica order (still one thread each), so that they draw from torch's one CPU
+            generator as a single process would (:mod:`lockstep.dp.cpu_rng`): dropout masks
+            are reproducible and differ between replicas. DataParallel sets it; by default CPU
+            replicas run at the same time.
 
     Returns:
         The outputs, in replica order.
@@ -69,13 +70,14 @@ def parallel_apply(
     state = _ThreadState.capture(devs)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    forked = fork_cpu_rng and n > 1 and all(d.type == "cpu" for d in devs)
-    rng = ReplicaGenerators(n) if forked else None
+    in_order = cpu_in_order and n > 1 and all(d.type == "cpu" for d in devs)
+    turns = TakeTurns() if in_order else None
 
     def work(i: int) -> None:
         args = inputs[i] if isinstance(inputs[i], (tuple, list)) else (inputs[i],)
         try:
-            with state.enter(devs[i]), (rng.turn(i) if rng else contextlib.nullcontext()):
+            # The turn first: it must be handed on even if entering the state fails.
+            with (turns.turn(i) if turns else contextlib.nullcontext()), state.enter(devs[i]):
                 results[i] = modules[i](*args, **kwargs_list[i])
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller below
             errors[i] = exc
@@ -90,8 +92,6 @@ def parallel_apply(
             t.start()
         for t in threads:
             t.join()
-    if rng is not None:
-        rng.finish()
     _raise_first(errors, devs)
     return results
 
