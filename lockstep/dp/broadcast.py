@@ -12,7 +12,8 @@ The backward is written with ordinary differentiable operations, so ``create_gra
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,6 +76,8 @@ class DataParallel(nn.Module):
         >>> loss = model(images, targets=labels)  # outputs stay on their devices
         >>> loss.backward()
     """
+
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
 
     def __init__(
         self,
@@ -237,7 +240,7 @@ class DataParallel(nn.Module):
         self._model_cache.clear()
         self._loss_cache.clear()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state_dict, without a ``module.`` prefix."""
         return self.module.state_dict(*args, **kwargs)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -106,17 +107,17 @@ def _raise_first(errors: list[BaseException | None], devices: list[torch.device]
     message = f"replica {i} on device {devices[i]} raised {type(exc).__name__}: {exc}{others}"
     try:
         wrapped = type(exc)(message)
-    except Exception:  # an exception type whose constructor wants other arguments
+    except Exception:  # noqa: BLE001 - an exception type whose constructor wants other arguments
         wrapped = RuntimeError(message)
     raise wrapped from exc
 
 
 def _device_of(module: Any) -> torch.device:
     if isinstance(module, torch.nn.Module):
-        for tensor in module.parameters():
-            return tensor.device
-        for tensor in module.buffers():
-            return tensor.device
+        for param in module.parameters():
+            return param.device
+        for buffer in module.buffers():
+            return buffer.device
     return torch.device("cpu")
 
 
@@ -131,7 +132,7 @@ class _ThreadState:
         self.streams = streams
 
     @classmethod
-    def capture(cls, devices: list[torch.device]) -> "_ThreadState":
+    def capture(cls, devices: list[torch.device]) -> _ThreadState:
         types = {d.type for d in devices}
         autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types}
         # Only touch the CUDA API when a replica runs there: CPU stays CUDA-free.

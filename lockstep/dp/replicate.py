@@ -14,7 +14,8 @@ are copied without it. Slots registered as None (``bias=False``) stay None in th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from torch import nn
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
-__all__ = ["replicate", "check_module_device"]
+__all__ = ["check_module_device", "replicate"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -70,12 +71,12 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
                 (name, None if child is None else clones[id(child)])
                 for name, child in m._modules.items()
             )
-        for m, name, t in params:
+        for m, name, param in params:
             # A plain tensor (not an nn.Parameter) with a grad_fn: assigned through the dict
             # because Module.__setattr__ only accepts Parameters in that slot.
-            clones[id(m)]._parameters[name] = param_copies[id(t)][k]
-        for m, name, t in buffers:
-            clones[id(m)]._buffers[name] = buffer_copies[id(t)][k]
+            clones[id(m)]._parameters[name] = param_copies[id(param)][k]  # type: ignore[assignment]
+        for m, name, buffer in buffers:
+            clones[id(m)]._buffers[name] = buffer_copies[id(buffer)][k]
         for clone in clones.values():
             _refresh_cached_references(clone)
         replicas.append(clones[id(network)])  # type: ignore[arg-type]
@@ -135,7 +136,7 @@ def _refresh_cached_references(clone: nn.Module) -> None:
 
 
 def _copy_coalesced(
-    tensors: list[torch.Tensor], devices: list[torch.device], *, share_same_device: bool, detach: bool
+    tensors: Sequence[torch.Tensor], devices: list[torch.device], *, share_same_device: bool, detach: bool
 ) -> dict[int, list[torch.Tensor]]:
     """Each tensor's copy on every device, made through one flat copy per group and device.
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -20,8 +21,13 @@ from lockstep.dp.devices import DeviceLike, as_device
 from lockstep.tensors import iter_tensors, map_tensors, move_to
 
 __all__ = [
-    "scatter", "scatter_kwargs", "gather", "count_replicas", "move_to_device", "iter_tensors",
+    "count_replicas",
+    "gather",
+    "iter_tensors",
+    "move_to_device",
     "named_tensors",
+    "scatter",
+    "scatter_kwargs",
 ]
 
 

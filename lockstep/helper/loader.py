@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sized
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lockstep.sampler import DistributedSampler
 from lockstep.tensors import move_to
@@ -98,8 +98,8 @@ class ShardedLoader:
         loader_kwargs["worker_init_fn"] = _chain(seed_worker, loader_kwargs.get("worker_init_fn"))
         if device is not None and device.type == "cuda":
             loader_kwargs.setdefault("pin_memory", True)
-        self.loader = DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **loader_kwargs
+        self.loader: DataLoader[Any] = DataLoader(
+            cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **loader_kwargs
         )
         self._batches = 0
 
