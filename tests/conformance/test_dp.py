@@ -9,6 +9,7 @@ chunk in turn where it does (train-mode BatchNorm, dropout).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -341,6 +342,10 @@ def test_the_loader_and_scatter_walk_dataclasses_like_lockstep_tensors():
 
     x = torch.arange(6.0)
     torch.testing.assert_close(DataParallel(Head(), CPU2)(Batch(x, "t")), nn.DataParallel(Head())(Batch(x, "t")))
+    # A mapping whose constructor wants more than the items is scattered as a plain dict.
+    batch = collections.defaultdict(list, x=x)
+    pieces = lockstep.dp.scatter((batch,), CPU2)
+    assert all(torch.equal(p[0]["x"], half) for p, half in zip(pieces, x.chunk(2)))
 
 
 # --- 8. the sampler's set_epoch warning --------------------------------------------------------
