@@ -1,12 +1,15 @@
 """DataParallel: one process driving several devices, a drop-in for ``torch.nn.DataParallel``.
 
-Each forward is a pipeline of four steps, each its own module: scatter the batch, replicate the
-model, run the replicas in parallel threads, gather the outputs. Beyond torch's class:
+Each forward is a pipeline of four steps, each its own module and each a method a subclass may
+override as with torch's class: scatter the batch, replicate the model, run the replicas in
+parallel threads, gather the outputs. Beyond torch's class:
 
 * ``loss_fn``: the loss is computed on every replica beside its outputs and only the scalar
   losses travel to ``output_device``, so device 0 no longer holds everyone's outputs.
 * Under ``torch.no_grad()`` replicas are cached and refreshed only when the model changed.
-* CPU device lists (``['cpu', 'cpu']``) run replicas in threads, so the path is testable anywhere.
+* CPU device lists (``['cpu', 'cpu']``) run replicas in threads, so the path is testable
+  anywhere; the threads take turns in replica order, so random draws (dropout) are
+  reproducible and equal to the module's run on each chunk in turn.
 
 Example:
     >>> model = DataParallel(nn.Linear(4, 2), device_ids=["cpu", "cpu"])
@@ -174,6 +177,8 @@ class DataParallel(nn.Module):
         if targets is not None:
             kwargs = {**kwargs, "targets": targets}
         args_list, kwargs_list = self.scatter(inputs, kwargs, devices)
+        if not args_list and not kwargs_list:  # nothing to split (torch's rule): one empty call
+            args_list, kwargs_list = [()], [{}]
         pieces = []
         for args, kw in zip(args_list, kwargs_list):
             kw = dict(kw)

@@ -35,7 +35,9 @@ def _rebuild(obj: Any, fn: Callable[[str, Any, Any], Any]) -> Any:
     """``obj`` rebuilt from ``fn(label, key, member)`` per member; ``obj`` if not a container.
 
     ``label`` names the member for error messages (``[0]``, ``['x']``, ``.field``); ``key`` fetches
-    it from a structure of the same shape (see :func:`_member`).
+    it from a structure of the same shape (see :func:`_member`). This is gather's own walk: it
+    visits every replica's output in step, member by member, and names paths; a walk over one
+    structure uses :mod:`lockstep.tensors` instead.
     """
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
         return type(obj)(*(fn(f".{name}", i, v) for i, (name, v) in enumerate(zip(obj._fields, obj))))
