@@ -176,7 +176,7 @@ class DistributedSampler(Sampler[int]):
         self._warned = True
         warnings.warn(
             f"DistributedSampler: a new pass started at epoch {self.epoch}, the same epoch as "
-            "an earlier pass, so it repeats that pass's shuffled order. Call "
+            "the previous pass, so it repeats that pass's shuffled order. Call "
             "sampler.set_epoch(epoch) with the epoch number at the start of every epoch.",
             UserWarning,
             stacklevel=3,

@@ -8,8 +8,9 @@ parallel threads, gather the outputs. Beyond torch's class:
   losses travel to ``output_device``, so device 0 no longer holds everyone's outputs.
 * Under ``torch.no_grad()`` replicas are cached and refreshed only when the model changed.
 * CPU device lists (``['cpu', 'cpu']``) run replicas in threads, so the path is testable
-  anywhere; the threads take turns in replica order, so random draws (dropout) are
-  reproducible and equal to the module's run on each chunk in turn.
+  anywhere. In training mode the threads take turns in replica order, so random draws
+  (dropout) are reproducible and equal to the module's run on each chunk in turn; in eval mode
+  they run at the same time.
 
 Example:
     >>> model = DataParallel(nn.Linear(4, 2), device_ids=["cpu", "cpu"])
@@ -65,10 +66,11 @@ class DataParallel(nn.Module):
     :meth:`gather`. In loss mode ``targets`` travels through :meth:`scatter` as a keyword
     argument, and the callables handed to :meth:`parallel_apply` return ``(loss, outputs)``.
 
-    Random numbers on a CPU device list: replicas run one after another in replica order, each
-    continuing torch's CPU generator where the previous one stopped (see
-    :mod:`lockstep.dp.cpu_rng`): runs are reproducible, replicas never share a dropout mask, and
-    the result is bit for bit the module's run on each chunk in turn.
+    Random numbers on a CPU device list: while any submodule is in training mode, replicas run
+    one after another in replica order, each continuing torch's CPU generator where the previous
+    one stopped (see :mod:`lockstep.dp.cpu_rng`): runs are reproducible, replicas never share a
+    dropout mask, and the result is bit for bit the module's run on each chunk in turn. In eval
+    mode they run at the same time (one core each) and share the generator.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -160,9 +162,17 @@ class DataParallel(nn.Module):
     def parallel_apply(
         self, replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]]
     ) -> list[Any]:
-        """Run ``replicas[i](*inputs[i], **kwargs[i])``, each in its own thread on its device."""
+        """Run ``replicas[i](*inputs[i], **kwargs[i])``, each in its own thread on its device.
+
+        On a CPU device list, while any submodule is in training mode (dropout active), the
+        replicas take turns in replica order so that random draws are reproducible; in eval
+        mode they run at the same time, one core each.
+        """
         devices = self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices, cpu_in_order=True)
+        # Short-circuits at the root in training mode; in eval mode it scans, as the replica
+        # cache's key does anyway.
+        training = any(m.training for m in self.module.modules())
+        return parallel_apply(replicas, inputs, kwargs, devices, cpu_in_order=training)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Join the replicas' outputs on ``output_device`` along ``dim`` (see :func:`gather`)."""

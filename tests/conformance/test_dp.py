@@ -13,6 +13,7 @@ import collections
 import copy
 import dataclasses
 import inspect
+import threading
 import warnings
 from typing import Any
 
@@ -258,6 +259,35 @@ def test_cpu_replicas_never_share_a_mask_and_one_dropout_matches_torch():
     assert torch.equal(ours, theirs)
 
 
+class _MeetsInEval(nn.Module):
+    """Waits for the other replica in eval mode: proves eval-mode replicas still run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.barrier = threading.Barrier(2, timeout=20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not any(m.training for m in self.modules()):
+            self.barrier.wait()
+        return self.drop(self.lin(x))
+
+
+def test_turns_follow_any_training_submodule_and_eval_replicas_run_at_once():
+    model, x = _MeetsInEval(), torch.randn(8, 4)
+    dp = DataParallel(model, CPU2)
+    # MC dropout: the model in eval mode but its dropout switched back on. Turns still apply.
+    model.eval()
+    model.drop.train()
+    torch.manual_seed(3)
+    expected = torch.cat([model.drop(model.lin(chunk)) for chunk in x.chunk(2)])
+    torch.manual_seed(3)
+    assert torch.equal(dp(x), expected)
+    model.drop.eval()  # everything in eval mode: both replicas meet at the barrier
+    torch.testing.assert_close(dp(x), model.lin(x))
+
+
 # --- 5. torch's overridable steps --------------------------------------------------------------
 
 
@@ -389,7 +419,7 @@ def test_a_forgotten_set_epoch_still_warns():
     _, loader = _loader(DistributedSampler)
     assert _passes(loader, [1, None]) == []
     messages = _passes(loader, [None])
-    assert len(messages) == 1 and "same epoch as an earlier pass" in messages[0]
+    assert len(messages) == 1 and "same epoch as the previous pass" in messages[0]
     # Epochs that each stop early: the replay shows at the third pass.
     _, loader = _loader(DistributedSampler)
     assert _passes(loader, [2, 2]) == []
