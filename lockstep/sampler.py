@@ -3,9 +3,11 @@
 A drop-in for ``torch.utils.data.DistributedSampler``: same arguments, and for the same
 arguments the very same indices on every rank. Beyond torch's, it resumes mid-epoch
 (:meth:`DistributedSampler.state_dict` records the epoch and how many samples the whole job has
-consumed, so a job may resume on a different number of ranks), and it warns once when a second
-pass starts over the same epoch without :meth:`~DistributedSampler.set_epoch`, which silently
-repeats the same shuffled order every epoch.
+consumed, so a job may resume on a different number of ranks), and it warns once when an
+epoch's shuffled order is replayed because :meth:`~DistributedSampler.set_epoch` was forgotten:
+when a pass starts after a complete pass of the same epoch, or as the third pass of one epoch
+(loops that stop each epoch early). A single abandoned pass before the epoch loop, such as
+``next(iter(loader))`` to peek at a batch, does not count.
 
 How the global order is built, for epoch ``e`` and world size ``W``:
 
@@ -118,6 +120,7 @@ class DistributedSampler(Sampler[int]):
         self._pass_len = self.num_samples
         self._yielded = 0
         self._passes_this_epoch = 0
+        self._complete_this_epoch = False
         self._warned = False
 
     @property
@@ -143,6 +146,7 @@ class DistributedSampler(Sampler[int]):
             self._skip = 0
             self._pass_skip, self._pass_len, self._yielded = 0, self.num_samples, 0
             self._passes_this_epoch = 0
+            self._complete_this_epoch = False
 
     def _global_order(self) -> list[int]:
         size = len(self.dataset)
@@ -163,8 +167,11 @@ class DistributedSampler(Sampler[int]):
         return (order * repeats)[:total]
 
     def _warn_if_epoch_repeats(self) -> None:
+        # Replayed for real: a full pass of this epoch already ran, or two earlier passes did
+        # (an epoch loop that breaks early). One short pass alone is a peek at a batch.
         self._passes_this_epoch += 1
-        if self._passes_this_epoch < 2 or not self.shuffle or self._warned:
+        replayed = self._complete_this_epoch or self._passes_this_epoch >= 3
+        if not replayed or not self.shuffle or self._warned:
             return
         self._warned = True
         warnings.warn(
@@ -188,6 +195,7 @@ class DistributedSampler(Sampler[int]):
             yield index
         # The pass is over: a later iteration of this epoch starts from its beginning.
         self._skip = 0
+        self._complete_this_epoch = True
 
     def consumed(self, samples_per_rank: int | None = None) -> int:
         """How many positions of this epoch's global order the whole job has consumed.
@@ -240,3 +248,4 @@ class DistributedSampler(Sampler[int]):
         self._skip = consumed
         self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
         self._passes_this_epoch = 0
+        self._complete_this_epoch = False

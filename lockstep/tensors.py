@@ -8,11 +8,12 @@ containers and treats them the same way.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "iter_tensors", "move_to"]
+__all__ = ["iter_tensors", "map_tensors", "move_to"]
 
 
 def _is_dataclass_instance(obj: Any) -> bool:
@@ -23,7 +24,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """A copy of ``obj`` with ``fn`` applied to every tensor; other leaves are kept as they are.
 
     Containers keep their type: tuples, lists, dicts (and their subclasses that take an
-    iterable), namedtuples and dataclass instances (rebuilt with ``dataclasses.replace``).
+    iterable; others, such as ``defaultdict``, come back as plain dicts), namedtuples and
+    dataclass instances (rebuilt with ``dataclasses.replace``).
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -33,7 +35,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return type(obj)(map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
         mapped = {k: map_tensors(v, fn) for k, v in obj.items()}
-        return mapped if type(obj) is dict else type(obj)(mapped)
+        if type(obj) is dict:
+            return mapped
+        try:
+            return type(obj)(mapped)
+        except TypeError:  # a mapping whose constructor wants more (defaultdict): a plain dict
+            return mapped
     if _is_dataclass_instance(obj):
         changes = {f.name: map_tensors(getattr(obj, f.name), fn)
                    for f in dataclasses.fields(obj) if f.init}

@@ -92,3 +92,22 @@ def test_parallel_apply_runs_each_replica_on_its_gpu():
     for m, (x,), out, d in zip(mods, xs, outs, devices):
         assert out.device == d
         torch.testing.assert_close(out, m(x))
+
+
+def test_cpu_in_order_runs_cpu_replicas_one_after_another_and_survives_an_error():
+    order: list[int] = []
+
+    def record(i: int, fail: bool = False) -> int:
+        order.append(i)
+        if fail:
+            raise ValueError(f"replica {i} failed")
+        return i
+
+    calls = [lambda i=i: record(i) for i in range(4)]
+    for _ in range(5):
+        order.clear()
+        assert parallel_apply(calls, [()] * 4, devices=["cpu"] * 4, cpu_in_order=True) == [0, 1, 2, 3]
+        assert order == [0, 1, 2, 3]
+    failing = [lambda: record(0, fail=True)] + calls[1:]
+    with pytest.raises(ValueError, match="replica 0 on device cpu raised ValueError"):
+        parallel_apply(failing, [()] * 4, devices=["cpu"] * 4, cpu_in_order=True)  # no deadlock

@@ -114,3 +114,20 @@ def test_replicas_list_their_parameters():
     # A common forward idiom that replicas made by torch's DataParallel break (they list none).
     rep = replicate(_model(), ["cpu", "cpu"])[1]
     assert len(list(rep.parameters())) == 6 and next(rep.parameters()).grad_fn is not None
+
+
+def test_broadcast_sums_mixed_sparse_and_dense_gradients_and_skips_unused_copies():
+    from lockstep.dp.broadcast import broadcast_coalesced
+
+    weight = torch.randn(5, 2, requires_grad=True)
+    unused = torch.randn(3, requires_grad=True)
+    (w1, u1), (w2, _) = broadcast_coalesced([weight, unused], [torch.device("cpu")] * 2,
+                                            share_same_device=True)
+    idx = torch.tensor([0, 3])
+    sparse_part = torch.nn.functional.embedding(idx, w1, sparse=True).sum()
+    (sparse_part + w2.sum() + 0 * u1.sum()).backward()
+    expected = torch.ones(5, 2)
+    expected[idx] += 1
+    torch.testing.assert_close(weight.grad, expected)
+    assert not weight.grad.is_sparse  # a dense gradient joined: the sum is dense
+    torch.testing.assert_close(unused.grad, torch.zeros(3))

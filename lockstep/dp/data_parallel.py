@@ -1,12 +1,16 @@
 """DataParallel: one process driving several devices, a drop-in for ``torch.nn.DataParallel``.
 
-Each forward is a pipeline of four steps, each its own module: scatter the batch, replicate the
-model, run the replicas in parallel threads, gather the outputs. Beyond torch's class:
+Each forward is a pipeline of four steps, each its own module and each a method a subclass may
+override as with torch's class: scatter the batch, replicate the model, run the replicas in
+parallel threads, gather the outputs. Beyond torch's class:
 
 * ``loss_fn``: the loss is computed on every replica beside its outputs and only the scalar
   losses travel to ``output_device``, so device 0 no longer holds everyone's outputs.
 * Under ``torch.no_grad()`` replicas are cached and refreshed only when the model changed.
-* CPU device lists (``['cpu', 'cpu']``) run replicas in threads, so the path is testable anywhere.
+* CPU device lists (``['cpu', 'cpu']``) run replicas in threads, so the path is testable
+  anywhere. In training mode the threads take turns in replica order, so random draws
+  (dropout) are reproducible and equal to the module's run on each chunk in turn; in eval mode
+  they run at the same time.
 
 Example:
     >>> model = DataParallel(nn.Linear(4, 2), device_ids=["cpu", "cpu"])
@@ -16,27 +20,21 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from lockstep.dp.balance import device_capacities, imbalance_message
+from lockstep.dp.devices import DeviceLike, as_device
 from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replica_cache import ReplicaCache
 from lockstep.dp.replicate import check_module_device, replicate
-from lockstep.dp.scatter_gather import (
-    DeviceLike,
-    _as_device,
-    _leaves,
-    gather,
-    iter_tensors,
-    move_to_device,
-    scatter,
-)
+from lockstep.dp.scatter_gather import gather, named_tensors, scatter_kwargs
+from lockstep.tensors import iter_tensors, move_to
 
 __all__ = ["DataParallel", "resolve_device_ids"]
 
@@ -63,7 +61,19 @@ class DataParallel(nn.Module):
         gather_outputs: in loss mode, also gather the full outputs and return ``(loss, outputs)``.
         cache_replicas: reuse replicas between forwards run under ``torch.no_grad()``.
 
+    The forward is torch's pipeline of four methods, each overridable by a subclass as with
+    ``torch.nn.DataParallel``: :meth:`scatter`, :meth:`replicate`, :meth:`parallel_apply`,
+    :meth:`gather`. In loss mode ``targets`` travels through :meth:`scatter` as a keyword
+    argument, and the callables handed to :meth:`parallel_apply` return ``(loss, outputs)``.
+
+    Random numbers on a CPU device list: while any submodule is in training mode, replicas run
+    one after another in replica order, each continuing torch's CPU generator where the previous
+    one stopped (see :mod:`lockstep.dp.cpu_rng`): runs are reproducible, replicas never share a
+    dropout mask, and the result is bit for bit the module's run on each chunk in turn. In eval
+    mode they run at the same time (one core each) and share the generator.
+
     Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
         ValueError: ``device_ids`` is empty, mixes device types, or names a missing device.
 
     Example:
@@ -71,6 +81,8 @@ class DataParallel(nn.Module):
         >>> loss = model(images, targets=labels)  # outputs stay on their devices
         >>> loss.backward()
     """
+
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
 
     def __init__(
         self,
@@ -84,6 +96,13 @@ class DataParallel(nn.Module):
         gather_outputs: bool = False,
         cache_replicas: bool = True,
     ) -> None:
+        if not isinstance(module, nn.Module):
+            shown = repr(module)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise TypeError(
+                f"DataParallel wraps an nn.Module, but was given {type(module).__name__} {shown}; "
+                "pass the model itself, e.g. DataParallel(model, device_ids=[0, 1])"
+            )
         super().__init__()
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
@@ -108,66 +127,123 @@ class DataParallel(nn.Module):
         tensors = list(iter_tensors((inputs, kwargs, targets)))
         if any(t.device.type not in (src.type, "cpu") for t in tensors):
             self._raise_input_device(inputs, kwargs, targets)
-        if len(self.device_ids) == 1:
-            if any(t.device != src for t in tensors):
-                inputs, kwargs, targets = move_to_device((inputs, kwargs, targets), src)
-            return self._forward_one(inputs, kwargs, targets)
-        return self._forward_many(inputs, kwargs, targets)
+        if len(self.device_ids) > 1:
+            return self._forward_many(inputs, kwargs, targets)
+        if type(self).scatter is not DataParallel.scatter:
+            inputs, kwargs, targets = self._scatter(inputs, kwargs, targets, self.device_ids)[0]
+        elif any(t.device != src for t in tensors):
+            inputs, kwargs, targets = move_to((inputs, kwargs, targets), src)
+        return self._forward_one(inputs, kwargs, targets)
+
+    # --- torch's overridable steps -----------------------------------------------------------
+    # Inside these methods the bare names are the module-level functions of lockstep.dp.
+
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+        """Split positional and keyword arguments into one piece per replica (see :func:`scatter_kwargs`)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """One replica of ``module`` per device, the first being ``module`` itself.
+
+        Under ``torch.no_grad()`` with ``cache_replicas``, the model's (and loss_fn's) replicas
+        are reused while the module is unchanged.
+        """
+        devices = [as_device(d) for d in device_ids]
+        cache = {id(self.module): self._model_cache, id(self.loss_fn): self._loss_cache}.get(id(module))
+        caching = self.cache_replicas and not torch.is_grad_enabled() and cache is not None
+        if caching and devices == self.device_ids[: len(devices)]:
+            # Cached for every device, so a short last batch (fewer replicas) reuses them too.
+            assert cache is not None
+            return cache.get(module, self.device_ids)[: len(devices)]
+        return replicate(module, devices, detach=not torch.is_grad_enabled())
+
+    def parallel_apply(
+        self, replicas: Sequence[Callable[..., Any]], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]]
+    ) -> list[Any]:
+        """Run ``replicas[i](*inputs[i], **kwargs[i])``, each in its own thread on its device.
+
+        On a CPU device list, while any submodule is in training mode (dropout active), the
+        replicas take turns in replica order so that random draws are reproducible; in eval
+        mode they run at the same time, one core each.
+        """
+        devices = self.device_ids[: len(replicas)]
+        # Short-circuits at the root in training mode; in eval mode it scans, as the replica
+        # cache's key does anyway.
+        training = any(m.training for m in self.module.modules())
+        return parallel_apply(replicas, inputs, kwargs, devices, cpu_in_order=training)
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
+        """Join the replicas' outputs on ``output_device`` along ``dim`` (see :func:`gather`)."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    # --- the pipeline --------------------------------------------------------------------------
+
+    def _scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any, devices: Sequence[torch.device]
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any], Any]]:
+        """:meth:`scatter` with ``targets`` carried as a keyword, split back out of every piece."""
+        if targets is not None:
+            kwargs = {**kwargs, "targets": targets}
+        args_list, kwargs_list = self.scatter(inputs, kwargs, devices)
+        if not args_list and not kwargs_list:  # nothing to split (torch's rule): one empty call
+            args_list, kwargs_list = [()], [{}]
+        pieces = []
+        for args, kw in zip(args_list, kwargs_list):
+            kw = dict(kw)
+            piece_targets = kw.pop("targets", None) if targets is not None else None
+            pieces.append((tuple(args), kw, piece_targets))
+        return pieces
 
     def _forward_many(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses)."""
-        pieces = scatter((inputs, kwargs, targets), self.device_ids, self.dim)
+        pieces = self._scatter(inputs, kwargs, targets, self.device_ids)
         devices = self.device_ids[: len(pieces)]
-        models, loss_fns = self._replicas(devices, targets)
-        calls = [functools.partial(_run_replica, m, l) for m, l in zip(models, loss_fns)]
-        results = parallel_apply(calls, [(p,) for p in pieces], devices=devices)
-        outputs = [out for _, out in results]
+        if not (self.cache_replicas and not torch.is_grad_enabled()):
+            # A training forward builds its own replicas; free inference copies meanwhile.
+            self.clear_replica_cache()
+        models = self.replicate(self.module, devices)
+        args_list = [args for args, _, _ in pieces]
         if targets is None:
-            return gather(outputs, self.output_device, self.dim)
-        sizes = [_batch_size(p, self.dim) for p in pieces]
+            outputs = self.parallel_apply(models, args_list, [kw for _, kw, _ in pieces])
+            return self.gather(outputs, self.output_device)
+        calls = [_WithLoss(m, fn) for m, fn in zip(models, self._loss_replicas(devices))]
+        kwargs_list = [{**kw, "targets": t} for _, kw, t in pieces]
+        results = self.parallel_apply(calls, args_list, kwargs_list)
+        sizes = [_batch_size(piece, self.dim) for piece in pieces]
         loss = combine_losses([loss for loss, _ in results], sizes, self.loss_reduction,
                               self.output_device, self.dim)
         if self.gather_outputs:
-            return loss, gather(outputs, self.output_device, self.dim)
+            return loss, self.gather([out for _, out in results], self.output_device)
         return loss
 
     def _forward_one(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         # One device: no replicas, no threads, the module called as it is.
-        loss, out = _run_replica(self.module, self.loss_fn, (inputs, kwargs, targets))
         if targets is None:
+            out = self.module(*inputs, **kwargs)
             if self.output_device == self.src_device_obj:
                 return out
-            return gather([out], self.output_device, self.dim)
+            return self.gather([out], self.output_device)
+        loss, out = _WithLoss(self.module, self.loss_fn)(*inputs, targets=targets, **kwargs)
         loss = combine_losses([loss], [1], self.loss_reduction, self.output_device, self.dim)
-        return (loss, gather([out], self.output_device, self.dim)) if self.gather_outputs else loss
+        return (loss, self.gather([out], self.output_device)) if self.gather_outputs else loss
 
-    def _replicas(self, devices: list[torch.device], targets: Any) -> tuple[list[Any], list[Any]]:
-        """Model replicas and loss-function replicas (the same object where it holds no tensors)."""
-        caching = self.cache_replicas and not torch.is_grad_enabled()
-        if not caching:
-            # A training forward builds its own replicas; free inference copies meanwhile.
-            self.clear_replica_cache()
-        models = self._copies(self.module, self._model_cache, devices, caching)
-        loss_fn = self.loss_fn if targets is not None else None
+    def _loss_replicas(self, devices: list[torch.device]) -> list[Any]:
+        """Replicas of loss_fn: the same object on every device where it holds no tensors."""
+        loss_fn = self.loss_fn
         if not isinstance(loss_fn, nn.Module) or not _has_tensors(loss_fn):
-            return models, [loss_fn] * len(devices)
+            return [loss_fn] * len(devices)
         check_module_device(loss_fn, self.src_device_obj)
-        return models, self._copies(loss_fn, self._loss_cache, devices, caching)
-
-    def _copies(
-        self, module: nn.Module, cache: ReplicaCache, devices: list[torch.device], caching: bool
-    ) -> list[nn.Module]:
-        if caching:
-            # Cached for every device, so a short last batch (fewer replicas) reuses them too.
-            return cache.get(module, self.device_ids)[: len(devices)]
-        return replicate(module, devices, detach=not torch.is_grad_enabled())
+        return self.replicate(loss_fn, devices)
 
     def _raise_input_device(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any
     ) -> None:
         """Raise ValueError naming the input on a device type this wrapper does not drive."""
         driven = self.src_device_obj.type
-        for path, tensor in _leaves({"args": inputs, "kwargs": kwargs, "targets": targets}, "inputs"):
+        everything = {"args": inputs, "kwargs": kwargs, "targets": targets}
+        for path, tensor in named_tensors(everything, "inputs"):
             if tensor.device.type not in (driven, "cpu"):
                 raise ValueError(
                     f"{path} is on {tensor.device} but this DataParallel drives {driven} devices "
@@ -179,7 +255,7 @@ class DataParallel(nn.Module):
         self._model_cache.clear()
         self._loss_cache.clear()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state_dict, without a ``module.`` prefix."""
         return self.module.state_dict(*args, **kwargs)
 
@@ -197,15 +273,17 @@ class DataParallel(nn.Module):
         return f"device_ids=[{devices}], output_device={self.output_device}, dim={self.dim}"
 
 
-def _run_replica(
-    model: Callable[..., Any], loss_fn: Callable[..., Any] | None, piece: Any
-) -> tuple[Any, Any]:
-    """Forward one replica on its piece ``(args, kwargs, targets)``, and its loss if targets exist."""
-    args, kwargs, targets = piece
-    out = model(*args, **kwargs)
-    if targets is None or loss_fn is None:
-        return None, out
-    return loss_fn(out, targets), out
+class _WithLoss:
+    """A replica and its loss: ``(loss_fn(outputs, targets), outputs)`` from one call."""
+
+    def __init__(self, model: Callable[..., Any], loss_fn: Callable[..., Any] | None) -> None:
+        self.model, self.loss_fn = model, loss_fn
+
+    def __call__(self, *args: Any, targets: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        out = self.model(*args, **kwargs)
+        if targets is None or self.loss_fn is None:
+            return None, out
+        return self.loss_fn(out, targets), out
 
 
 def combine_losses(
@@ -236,7 +314,7 @@ def _batch_size(piece: Any, dim: int) -> int:
     """Samples in one replica's piece: the size along ``dim`` of its first splittable tensor."""
     _, _, targets = piece
     for obj in (targets, piece):
-        for _, tensor in _leaves(obj):
+        for tensor in iter_tensors(obj):
             if tensor.dim() > 0:
                 return tensor.size(dim)
     return 1
@@ -256,7 +334,7 @@ def resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.de
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
     try:
-        devices = [_as_device(d) for d in device_ids]
+        devices = [as_device(d) for d in device_ids]
     except (RuntimeError, TypeError) as exc:
         raise ValueError(
             f"device_ids={list(device_ids)!r} holds something that is not a device: {exc}"
@@ -288,7 +366,7 @@ def _check_cuda(device: torch.device) -> torch.device:
 def _resolve_output_device(output_device: DeviceLike | None, src: torch.device) -> torch.device:
     if output_device is None:
         return src
-    device = _as_device(output_device)
+    device = as_device(output_device)
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != src.type:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from lockstep.dp.scatter_gather import DeviceLike, _as_device
+from lockstep.dp.cpu_rng import TakeTurns
+from lockstep.dp.devices import DeviceLike, as_device
 
 __all__ = ["parallel_apply"]
 
@@ -25,6 +27,8 @@ def parallel_apply(
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike] | None = None,
+    *,
+    cpu_in_order: bool = False,
 ) -> list[Any]:
     """Call ``modules[i](*inputs[i], **kwargs_tup[i])`` for every ``i``, each in its own thread.
 
@@ -33,6 +37,11 @@ def parallel_apply(
         inputs: one argument tuple per replica (a non-tuple is passed as the only argument).
         kwargs_tup: one keyword dict per replica.
         devices: the device of each replica; by default that of its first parameter, else CPU.
+        cpu_in_order: when every replica runs on the CPU, run them one after another in
+            replica order (still one thread each), so that they draw from torch's one CPU
+            generator as a single process would (:mod:`lockstep.dp.cpu_rng`): dropout masks
+            are reproducible and differ between replicas. DataParallel sets it; by default CPU
+            replicas run at the same time.
 
     Returns:
         The outputs, in replica order.
@@ -56,17 +65,20 @@ def parallel_apply(
             f"parallel_apply got {n} modules but {len(kwargs_list)} kwargs; pass one dict per module"
         )
     if devices is not None:
-        devs = [_as_device(d) for d in devices]
+        devs = [as_device(d) for d in devices]
     else:
         devs = [_device_of(m) for m in modules]
     state = _ThreadState.capture(devs)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    in_order = cpu_in_order and n > 1 and all(d.type == "cpu" for d in devs)
+    turns = TakeTurns() if in_order else None
 
     def work(i: int) -> None:
         args = inputs[i] if isinstance(inputs[i], (tuple, list)) else (inputs[i],)
         try:
-            with state.enter(devs[i]):
+            # The turn first: it must be handed on even if entering the state fails.
+            with (turns.turn(i) if turns else contextlib.nullcontext()), state.enter(devs[i]):
                 results[i] = modules[i](*args, **kwargs_list[i])
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller below
             errors[i] = exc
@@ -95,17 +107,17 @@ def _raise_first(errors: list[BaseException | None], devices: list[torch.device]
     message = f"replica {i} on device {devices[i]} raised {type(exc).__name__}: {exc}{others}"
     try:
         wrapped = type(exc)(message)
-    except Exception:  # an exception type whose constructor wants other arguments
+    except Exception:  # noqa: BLE001 - an exception type whose constructor wants other arguments
         wrapped = RuntimeError(message)
     raise wrapped from exc
 
 
 def _device_of(module: Any) -> torch.device:
     if isinstance(module, torch.nn.Module):
-        for tensor in module.parameters():
-            return tensor.device
-        for tensor in module.buffers():
-            return tensor.device
+        for param in module.parameters():
+            return param.device
+        for buffer in module.buffers():
+            return buffer.device
     return torch.device("cpu")
 
 
@@ -120,7 +132,7 @@ class _ThreadState:
         self.streams = streams
 
     @classmethod
-    def capture(cls, devices: list[torch.device]) -> "_ThreadState":
+    def capture(cls, devices: list[torch.device]) -> _ThreadState:
         types = {d.type for d in devices}
         autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types}
         # Only touch the CUDA API when a replica runs there: CPU stays CUDA-free.

@@ -4,23 +4,26 @@ The first replica is the module itself: it already lives on the first device, an
 are the originals, so in-place buffer updates (BatchNorm running statistics) land in the module
 from the first replica only, as with torch's DataParallel. Every other replica is a shallow copy
 of each submodule whose parameters are views of one flat copy per dtype: the module's
-parameters are concatenated once (``torch.cat``) and that buffer is copied once per device, so a
-model of a thousand tensors costs one copy per device, not a thousand. Both ``cat`` and ``to``
-are recorded by autograd, so backward through any replica accumulates into the original
-parameters' ``.grad``.
+parameters are concatenated once and that buffer is copied once per device, so a model of a
+thousand tensors costs one copy per device, not a thousand (:mod:`lockstep.dp.broadcast`).
+Backward through any replica sums its gradients into the original parameters' ``.grad``, sparse
+ones staying sparse. Buffers that require grad take part in autograd the same way; the others
+are copied without it. Slots registered as None (``bias=False``) stay None in the replicas.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from lockstep.dp.scatter_gather import DeviceLike, _as_device
+from lockstep.dp.broadcast import broadcast_coalesced
+from lockstep.dp.devices import DeviceLike, as_device
 
-__all__ = ["replicate", "check_module_device"]
+__all__ = ["check_module_device", "replicate"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -44,7 +47,7 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
         >>> a.weight is not b.weight and torch.equal(a.weight, b.weight)
         True
     """
-    devs = [_as_device(d) for d in devices]
+    devs = [as_device(d) for d in devices]
     if not devs:
         raise ValueError("replicate() needs at least one device")
     check_module_device(network, devs[0])
@@ -58,7 +61,8 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
     unique_buffers = list({id(t): t for _, _, t in buffers}.values())
     param_copies = _copy_coalesced(unique_params, devs[1:], share_same_device=True, detach=detach)
     # Buffers are mutated in place by some forwards, so replicas on one device need their own.
-    buffer_copies = _copy_coalesced(unique_buffers, devs[1:], share_same_device=False, detach=True)
+    # Those that require grad stay in the graph, as torch's replicate keeps them.
+    buffer_copies = _copy_coalesced(unique_buffers, devs[1:], share_same_device=False, detach=detach)
     replicas: list[M] = [network]
     for k in range(len(devs) - 1):
         clones = {id(m): _shallow_copy(m) for m in modules}
@@ -67,12 +71,12 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
                 (name, None if child is None else clones[id(child)])
                 for name, child in m._modules.items()
             )
-        for m, name, t in params:
+        for m, name, param in params:
             # A plain tensor (not an nn.Parameter) with a grad_fn: assigned through the dict
             # because Module.__setattr__ only accepts Parameters in that slot.
-            clones[id(m)]._parameters[name] = param_copies[id(t)][k]
-        for m, name, t in buffers:
-            clones[id(m)]._buffers[name] = buffer_copies[id(t)][k]
+            clones[id(m)]._parameters[name] = param_copies[id(param)][k]  # type: ignore[assignment]
+        for m, name, buffer in buffers:
+            clones[id(m)]._buffers[name] = buffer_copies[id(buffer)][k]
         for clone in clones.values():
             _refresh_cached_references(clone)
         replicas.append(clones[id(network)])  # type: ignore[arg-type]
@@ -111,8 +115,10 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing ``module``'s attributes, hooks and class, with fresh slots."""
     clone = module.__new__(type(module))
     clone.__dict__ = module.__dict__.copy()
-    clone._parameters = OrderedDict()
-    clone._buffers = OrderedDict()
+    # Slots registered as None (``bias=False``) stay, as None, in the original order: modules
+    # read ``self.bias`` in forward. replicate() fills in the others.
+    clone._parameters = OrderedDict.fromkeys(module._parameters)
+    clone._buffers = OrderedDict.fromkeys(module._buffers)
     clone._modules = OrderedDict()
     return clone
 
@@ -130,26 +136,20 @@ def _refresh_cached_references(clone: nn.Module) -> None:
 
 
 def _copy_coalesced(
-    tensors: list[torch.Tensor], devices: list[torch.device], *, share_same_device: bool, detach: bool
+    tensors: Sequence[torch.Tensor], devices: list[torch.device], *, share_same_device: bool, detach: bool
 ) -> dict[int, list[torch.Tensor]]:
     """Each tensor's copy on every device, made through one flat copy per group and device.
 
     Returns ``{id(tensor): [copy on devices[0], copy on devices[1], ...]}``. Tensors are grouped
     by dtype and by whether they require grad, so a frozen parameter stays frozen in replicas.
-    With ``share_same_device``, a device equal to the source reuses the flat concatenation
-    itself (already a copy of the originals) instead of copying it again.
     """
-    result: dict[int, list[torch.Tensor]] = {id(t): [] for t in tensors}
+    result: dict[int, list[torch.Tensor]] = {}
     groups: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.requires_grad and not detach), []).append(t)
     for (_, track), group in groups.items():
         with torch.set_grad_enabled(torch.is_grad_enabled() and track):
-            flat = torch.cat([(t if track else t.detach()).reshape(-1) for t in group])
-            numels = [t.numel() for t in group]
-            for dev in devices:
-                reuse = share_same_device and dev == flat.device
-                copy_flat = flat if reuse else flat.to(dev, non_blocking=True, copy=True)
-                for t, piece in zip(group, copy_flat.split(numels)):
-                    result[id(t)].append(piece.view(t.shape))
+            copies = broadcast_coalesced(group, devices, share_same_device=share_same_device)
+        for i, t in enumerate(group):
+            result[id(t)] = [per_device[i] for per_device in copies]
     return result

@@ -1,28 +1,43 @@
 """Scatter inputs across devices and gather outputs back, through nested containers.
 
 Tensors are split along ``dim`` into one chunk per replica; tuples, lists, dicts, named tuples
-and dataclasses are walked recursively; any other value goes to every replica unchanged. Every
-move goes through ``Tensor.to`` and ``torch.cat``, so autograd follows it both ways.
+and dataclasses are walked by :mod:`lockstep.tensors` (the one walk every module shares); any
+other value goes to every replica unchanged. Every move goes through ``Tensor.to`` and
+``torch.cat``, so autograd follows it both ways. What is DataParallel's own lives here: chunking,
+and gather's walk over every replica's output at once, which also names the path of a culprit
+(``inputs[0]['x']``) in error messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["scatter", "scatter_kwargs", "gather", "count_replicas", "move_to_device", "iter_tensors"]
+from lockstep.dp.devices import DeviceLike, as_device
+from lockstep.tensors import iter_tensors, map_tensors, move_to
 
-DeviceLike = torch.device | str | int
+__all__ = [
+    "count_replicas",
+    "gather",
+    "iter_tensors",
+    "move_to_device",
+    "named_tensors",
+    "scatter",
+    "scatter_kwargs",
+]
 
 
 def _rebuild(obj: Any, fn: Callable[[str, Any, Any], Any]) -> Any:
     """``obj`` rebuilt from ``fn(label, key, member)`` per member; ``obj`` if not a container.
 
     ``label`` names the member for error messages (``[0]``, ``['x']``, ``.field``); ``key`` fetches
-    it from a structure of the same shape (see :func:`_member`).
+    it from a structure of the same shape (see :func:`_member`). This is gather's own walk: it
+    visits every replica's output in step, member by member, and names paths; a walk over one
+    structure uses :mod:`lockstep.tensors` instead.
     """
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
         return type(obj)(*(fn(f".{name}", i, v) for i, (name, v) in enumerate(zip(obj._fields, obj))))
@@ -57,29 +72,14 @@ def _is_container(obj: Any) -> bool:
     return isinstance(obj, (tuple, list, dict)) or _is_dataclass_instance(obj)
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``obj``: the quick walk for checks on every forward (no paths)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (tuple, list)):
-        for value in obj:
-            yield from iter_tensors(value)
-    elif _is_dataclass_instance(obj):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))
-
-
-def _leaves(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Every tensor inside ``obj`` with its path (``args[0]['x']``) for error messages."""
+def named_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj`` with its path (``args[0]['x']``), for error messages."""
     if isinstance(obj, torch.Tensor):
         return [(path, obj)]
     found: list[tuple[str, torch.Tensor]] = []
 
     def visit(label: str, _: Any, value: Any) -> Any:
-        found.extend(_leaves(value, path + label))
+        found.extend(named_tensors(value, path + label))
         return value
 
     _rebuild(obj, visit)
@@ -92,17 +92,26 @@ def count_replicas(obj: Any, n_devices: int, dim: int = 0) -> int:
     Raises:
         ValueError: a tensor to split has no dimension ``dim`` or is empty along it.
     """
-    sizes = []
-    for path, tensor in _leaves(obj, "inputs"):
+    sizes = [n_devices]
+    for tensor in iter_tensors(obj):
         if tensor.dim() == 0:
             continue  # scalars go to every replica whole
+        if not -tensor.dim() <= dim < tensor.dim() or tensor.size(dim) == 0:
+            _raise_unsplittable(obj, dim)
+        sizes.append(tensor.size(dim))
+    return min(sizes)
+
+
+def _raise_unsplittable(obj: Any, dim: int) -> None:
+    """Raise ValueError naming the first tensor of ``obj`` that cannot be split along ``dim``."""
+    for path, tensor in named_tensors(obj, "inputs"):
+        if tensor.dim() == 0:
+            continue
         if not -tensor.dim() <= dim < tensor.dim():
             raise ValueError(f"cannot scatter {path} (shape {tuple(tensor.shape)}) along dim={dim}; "
                              "pass a dim every input tensor has")
         if tensor.size(dim) == 0:
             raise ValueError(f"cannot scatter {path}: it is empty along dim={dim}")
-        sizes.append(tensor.size(dim))
-    return min([n_devices] + sizes)
 
 
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
@@ -123,7 +132,7 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
         >>> scatter((torch.arange(5),), ["cpu", "cpu"])
         [(tensor([0, 1, 2]),), (tensor([3, 4]),)]
     """
-    devices = [_as_device(d) for d in target_devices]
+    devices = [as_device(d) for d in target_devices]
     n = count_replicas(inputs, len(devices), dim)
     return [_piece(inputs, i, n, dev, dim) for i, dev in enumerate(devices[:n])]
 
@@ -140,18 +149,19 @@ def scatter_kwargs(
 
 
 def _piece(obj: Any, index: int, n: int, device: torch.device, dim: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        chunk = obj if obj.dim() == 0 else torch.tensor_split(obj, n, dim)[index]
-        return chunk.to(device, non_blocking=True)
-    return _rebuild(obj, lambda _l, _k, value: _piece(value, index, n, device, dim))
+    def chunk(tensor: torch.Tensor) -> torch.Tensor:
+        part = tensor if tensor.dim() == 0 else torch.tensor_split(tensor, n, dim)[index]
+        return part.to(device, non_blocking=True)
+
+    return map_tensors(obj, chunk)
 
 
 def move_to_device(obj: Any, device: DeviceLike) -> Any:
-    """``obj`` with every tensor inside moved to ``device`` (no split): the one-replica scatter."""
-    dev = _as_device(device)
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dev, non_blocking=True)
-    return _rebuild(obj, lambda _l, _k, value: move_to_device(value, dev))
+    """``obj`` with every tensor inside moved to ``device`` (no split): the one-replica scatter.
+
+    :func:`lockstep.tensors.move_to` with DataParallel's device names (``-1`` is the CPU).
+    """
+    return move_to(obj, as_device(device))
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
@@ -168,7 +178,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         >>> gather([torch.zeros(2), torch.ones(1)], "cpu")
         tensor([0., 0., 1.])
     """
-    return _gather(list(outputs), _as_device(target_device), dim, "output")
+    return _gather(list(outputs), as_device(target_device), dim, "output")
 
 
 def _gather(values: list[Any], device: torch.device, dim: int, path: str) -> Any:
@@ -220,10 +230,3 @@ def _gather_plain(values: list[Any]) -> Any:
     except (TypeError, ValueError, RuntimeError):  # values whose == is not a plain bool
         pass
     return list(values)
-
-
-def _as_device(device: DeviceLike) -> torch.device:
-    """Torch's DataParallel convention: an int is a CUDA index, -1 is the CPU."""
-    if isinstance(device, int):
-        return torch.device("cpu") if device == -1 else torch.device("cuda", device)
-    return torch.device(device)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sized
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lockstep.sampler import DistributedSampler
+from lockstep.tensors import move_to
 
 __all__ = ["ShardedLoader", "move_to_device", "seed_worker"]
 
@@ -44,16 +45,12 @@ class _Chained:
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor of a batch (nested in tuples, lists and dicts) to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=device.type == "cuda")
-    if isinstance(batch, dict):
-        return {key: move_to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(move_to_device(value, device) for value in batch)
-    if isinstance(batch, tuple):  # a namedtuple
-        return type(batch)(*(move_to_device(value, device) for value in batch))
-    return batch
+    """Move every tensor of a batch (nested in tuples, lists, dicts, namedtuples, dataclasses) to ``device``.
+
+    :func:`lockstep.tensors.move_to`, the walk DataParallel and DDP use too; kept under this
+    name for existing callers.
+    """
+    return move_to(batch, device)
 
 
 class ShardedLoader:
@@ -101,8 +98,8 @@ class ShardedLoader:
         loader_kwargs["worker_init_fn"] = _chain(seed_worker, loader_kwargs.get("worker_init_fn"))
         if device is not None and device.type == "cuda":
             loader_kwargs.setdefault("pin_memory", True)
-        self.loader = DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **loader_kwargs
+        self.loader: DataLoader[Any] = DataLoader(
+            cast("Dataset[Any]", dataset), batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **loader_kwargs
         )
         self._batches = 0
 
