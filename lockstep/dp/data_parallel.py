@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from lockstep.dp.balance import device_capacities, imbalance_message
-from lockstep.dp.devices import DeviceLike, as_device
+from lockstep.dp.devices import (
+    DeviceLike,
+    as_device,
+    resolve_device_ids,
+    resolve_output_device,
+)
 from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replica_cache import ReplicaCache
 from lockstep.dp.replicate import check_module_device, replicate
@@ -107,7 +112,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.device_ids = resolve_device_ids(device_ids)
         self.src_device_obj = self.device_ids[0]
-        self.output_device = _resolve_output_device(output_device, self.src_device_obj)
+        self.output_device = resolve_output_device(output_device, self.src_device_obj)
         self.dim = dim
         # Kept out of the submodules on purpose: the loss is not part of the model's state_dict.
         self.__dict__["loss_fn"] = loss_fn
@@ -322,57 +327,6 @@ def _batch_size(piece: Any, dim: int) -> int:
 
 def _has_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
-    """``device_ids`` as devices, checked: one device type, every device present.
-
-    Raises:
-        ValueError: empty, mixed types, a device type other than cpu/cuda, or a missing GPU.
-    """
-    if device_ids is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
-    try:
-        devices = [as_device(d) for d in device_ids]
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device_ids={list(device_ids)!r} holds something that is not a device: {exc}"
-        ) from exc
-    if not devices:
-        raise ValueError(
-            "device_ids is empty; pass at least one device, e.g. [0, 1] or ['cpu', 'cpu']"
-        )
-    types = sorted({d.type for d in devices})
-    if len(types) > 1:
-        raise ValueError(f"device_ids mixes device types {types}; one DataParallel drives one kind "
-                         "of device (use only GPUs, or only 'cpu')")
-    if types[0] == "cpu":
-        return [torch.device("cpu") for _ in devices]
-    if types[0] != "cuda":
-        raise ValueError(f"DataParallel drives 'cuda' or 'cpu' devices, not {types[0]!r}")
-    return [_check_cuda(d) for d in devices]
-
-
-def _check_cuda(device: torch.device) -> torch.device:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = device.index if device.index is not None else (torch.cuda.current_device() if count else 0)
-    if index >= count:
-        raise ValueError(f"device_ids names cuda:{index} but {count} CUDA device(s) are visible; "
-                         "check CUDA_VISIBLE_DEVICES or pass existing indices")
-    return torch.device("cuda", index)
-
-
-def _resolve_output_device(output_device: DeviceLike | None, src: torch.device) -> torch.device:
-    if output_device is None:
-        return src
-    device = as_device(output_device)
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != src.type:
-        raise ValueError(f"output_device={output_device!r} is neither the CPU nor a {src.type} device "
-                         "like device_ids; pass one of device_ids or -1 for the CPU")
-    return _check_cuda(device)
 
 
 def _resolve_reduction(loss_fn: Any, loss_reduction: str | None) -> str:
