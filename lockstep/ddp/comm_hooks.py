@@ -8,12 +8,13 @@ torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) also run und
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "CommHook", "allreduce_hook", "completed_future"]
+__all__ = ["CommHook", "GradBucket", "allreduce_hook", "completed_future"]
 
 
 class GradBucket:
@@ -70,7 +71,7 @@ class GradBucket:
 CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def completed_future(value: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
+def completed_future(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """A future that already holds ``value`` (for hooks that need no communication)."""
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(value)
@@ -79,7 +80,7 @@ def completed_future(value: torch.Tensor) -> "torch.futures.Future[torch.Tensor]
 
 def allreduce_hook(
     process_group: dist.ProcessGroup | None, bucket: GradBucket
-) -> "torch.futures.Future[torch.Tensor]":
+) -> torch.futures.Future[torch.Tensor]:
     """The default hook: the mean over ranks by one asynchronous all-reduce.
 
     Dividing before the sum (not after) keeps fp16 gradients from overflowing in the sum.
