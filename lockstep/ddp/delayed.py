@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-__all__ = ["DelayedAllReduce", "split_delayed"]
+__all__ = ["DelayedAllReduce", "hook_param_name", "split_delayed"]
 
 
 def split_delayed(
@@ -48,6 +48,23 @@ def split_delayed(
         names.add(name)
     kept = [(n, p) for n, p in named_params if n not in names]
     return kept, [p for _, p in delayed]
+
+
+def hook_param_name(module: torch.nn.Module, param: torch.nn.Parameter | None) -> str:
+    """The name of ``param`` in ``module`` ("" for None).
+
+    Raises:
+        ValueError: ``param`` is not one of the module's parameters.
+    """
+    if param is None:
+        return ""
+    for name, p in module.named_parameters():
+        if p is param:
+            return name
+    raise ValueError(
+        "DistributedDataParallel: param_to_hook_all_reduce is not a parameter of the module; "
+        "pass one of module.parameters() (typically of an early layer, whose gradient comes last)."
+    )
 
 
 class DelayedAllReduce:

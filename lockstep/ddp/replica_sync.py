@@ -16,7 +16,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = [
     "ReplicaMismatchError",
     "broadcast_coalesced",
+    "buffer_slots",
     "first_mismatch",
+    "live_buffers",
     "parameter_signature",
     "verify_same_parameters",
 ]
@@ -94,6 +96,24 @@ def verify_same_parameters(
                     f"{diff}. Every rank must build the same model (same code, same arguments) "
                     "before wrapping it."
                 )
+
+
+def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(owning module, attribute name) of every buffer: looked up again at each broadcast."""
+    return [(owner, name) for _, owner in module.named_modules()
+            for name, _ in owner.named_buffers(recurse=False)]
+
+
+def live_buffers(slots: Sequence[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:
+    """The tensors now held in ``slots`` (a buffer reassigned in ``forward`` is the new one)."""
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for owner, name in slots:
+        buf = getattr(owner, name, None)
+        if isinstance(buf, torch.Tensor) and id(buf) not in seen:
+            seen.add(id(buf))
+            buffers.append(buf)
+    return buffers
 
 
 def broadcast_coalesced(

@@ -20,10 +20,16 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.ddp import arguments
-from lockstep.ddp.delayed import DelayedAllReduce, split_delayed
+from lockstep.ddp.comm_hooks import returns_future
+from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import DDPJoinHook, UnevenInputs
 from lockstep.ddp.reducer import Reducer
-from lockstep.ddp.replica_sync import broadcast_coalesced, verify_same_parameters
+from lockstep.ddp.replica_sync import (
+    broadcast_coalesced,
+    buffer_slots,
+    live_buffers,
+    verify_same_parameters,
+)
 from lockstep.ddp.timing import StepClock, StepTiming
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
@@ -155,10 +161,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._check_devices(trainable)
         self.device_ids = arguments.check_device_ids(device_ids, output_device, self.device)
         self.output_device = output_device if self.device_ids is not None else None
-        self._buffer_slots = _buffer_slots(module)
+        self._buffer_slots = buffer_slots(module)
         self._trainable_names = [n for n, _ in trainable]
         self._delayed_names = [n for n, _ in delay_all_reduce_named_params or []]
-        self._hook_param_name = _name_of(module, param_to_hook_all_reduce)
+        self._hook_param_name = hook_param_name(module, param_to_hook_all_reduce)
         self._connect()
         if init_sync and self.world_size > 1:
             buffers = list(module.named_buffers()) if sync_buffers_at_init else []
@@ -275,13 +281,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Buffers are looked up by name each time, so one reassigned in ``forward``
         (``self.buf = self.buf + 1``) is still the one broadcast.
         """
-        buffers: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for owner, name in self._buffer_slots:
-            buf = getattr(owner, name, None)
-            if isinstance(buf, torch.Tensor) and id(buf) not in seen:
-                seen.add(id(buf))
-                buffers.append(buf)
+        buffers = live_buffers(self._buffer_slots)
         if buffers:
             broadcast_coalesced(buffers, src, self.process_group)
 
@@ -402,7 +402,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self._hook_registered = True
         if self._reducer is not None:
-            self._reducer.comm_hook, self._reducer.comm_state = _returns_future(hook), state
+            self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
     def enable_step_timing(self, enabled: bool = True) -> None:
         """Record forward, backward and exposed-communication seconds of every iteration."""
@@ -477,43 +477,6 @@ class DistributedDataParallel(nn.Module, Joinable):
 def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     # named_parameters() already yields a tied parameter once, under its first name.
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(owning module, attribute name) of every buffer: looked up again at each broadcast."""
-    return [(owner, name) for _, owner in module.named_modules()
-            for name, _ in owner.named_buffers(recurse=False)]
-
-
-def _name_of(module: nn.Module, param: nn.Parameter | None) -> str:
-    if param is None:
-        return ""
-    for name, p in module.named_parameters():
-        if p is param:
-            return name
-    raise ValueError(
-        "DistributedDataParallel: param_to_hook_all_reduce is not a parameter of the module; "
-        "pass one of module.parameters() (typically of an early layer, whose gradient comes last)."
-    )
-
-
-def _returns_future(hook: Callable) -> Callable:
-    """``hook``, checked to return a ``torch.futures.Future`` (torch raises RuntimeError too)."""
-    name = getattr(hook, "__qualname__", None) or repr(hook)
-
-    def checked(state: Any, bucket: Any) -> torch.futures.Future:
-        fut = hook(state, bucket)
-        if not callable(getattr(fut, "wait", None)):  # torch._C.Future or torch.futures.Future
-            raise RuntimeError(
-                f"DistributedDataParallel: comm hook {name} returned {type(fut).__name__}, not a "
-                "torch.futures.Future holding the averaged bucket. Return e.g. "
-                "dist.all_reduce(t, async_op=True).get_future().then(...), or "
-                "lockstep.ddp.comm_hooks.completed_future(tensor) when nothing is sent."
-            )
-        return fut
-
-    checked.__qualname__ = checked.__name__ = getattr(hook, "__name__", "hook")
-    return checked
 
 
 def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> None:

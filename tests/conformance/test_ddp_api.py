@@ -12,8 +12,9 @@ import ast
 import copy
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
-from lockstep.ddp.replica_sync import ReplicaMismatchError
 
 pytestmark = pytest.mark.multirank
 
@@ -125,10 +125,10 @@ def _new_arguments() -> dict:
         for cls in (TorchDDP, lockstep.DistributedDataParallel)]
     # Arguments that change nothing in the results: gradients equal torch's.
     for key, kwargs in {
-        "skip_unused": dict(find_unused_parameters=True, skip_all_reduce_unused_params=True),
-        "batched_copy": dict(batched_grad_copy=True),
-        "cap_list": dict(bucket_cap_mb_list=[1, 5]),
-        "forward_sync_false": dict(forward_sync_buffers=False),
+        "skip_unused": {"find_unused_parameters": True, "skip_all_reduce_unused_params": True},
+        "batched_copy": {"batched_grad_copy": True},
+        "cap_list": {"bucket_cap_mb_list": [1, 5]},
+        "forward_sync_false": {"forward_sync_buffers": False},
     }.items():
         t, ours = _both(Unused if key == "skip_unused" else _mlp, **kwargs)
         out[key] = (_train(t), _train(ours))
@@ -265,7 +265,7 @@ def _members() -> dict:
                      ddp.will_sync_module_buffers(), ddp.broadcast_buffers,
                      type(moved).__name__, len(moved[0]), sorted(moved[1][0]))
     ours = lockstep.DistributedDataParallel(_mlp(), dim=0)
-    pieces, kwargs = ours.scatter((torch.arange(6.0),), {}, ["cpu", "cpu"])
+    pieces, _ = ours.scatter((torch.arange(6.0),), {}, ["cpu", "cpu"])
     out["scatter_gather"] = (len(pieces), ours.gather([p[0] for p in pieces], "cpu").tolist())
     return out
 
@@ -376,7 +376,7 @@ def test_device_mesh_gives_the_group_and_trains_like_torch(world2):
     for r in world2:
         out = r["new_arguments"]
         assert out["mesh_group_same"] and _equal(*out["mesh_train"])
-        (torch_kind, torch_classes), (our_kind, our_classes) = out["mesh_and_group"]
+        (torch_kind, _), (our_kind, our_classes) = out["mesh_and_group"]
         assert torch_kind == our_kind == "raised" and "RuntimeError" in our_classes
 
 
