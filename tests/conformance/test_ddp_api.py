@@ -288,6 +288,16 @@ def _generic_join() -> dict:
                     opt.step()
             pair.append(_state(ddp.module))
         out[divide] = pair
+
+    def uneven(cls: Any) -> None:
+        ddp = cls(_mlp())
+        with Join([ddp], throw_on_early_termination=True):
+            for step in range(3 if rank == 0 else 1):
+                x, y = _data(step, rank)
+                F.mse_loss(ddp(x), y).backward()
+
+    out["throw"] = [_outcome(lambda c=cls: uneven(c))[:2]
+                    for cls in (TorchDDP, lockstep.DistributedDataParallel)]
     return out
 
 
@@ -419,6 +429,12 @@ def test_torch_generic_join_trains_like_torch(world2, divide):
     for r in world2:
         torch_state, our_state = r["generic_join"][divide]
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(torch_state, our_state))
+
+
+def test_torch_generic_join_throws_on_early_termination_like_torch(world2):
+    for r in world2:
+        (t_kind, t_classes), (o_kind, o_classes) = r["generic_join"]["throw"]
+        assert t_kind == o_kind == "raised" and t_classes == o_classes
 
 
 # ---- 3. buffers ---------------------------------------------------------------------------
