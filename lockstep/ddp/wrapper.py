@@ -160,7 +160,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_type = self.device.type
         self._check_devices(trainable)
         self.device_ids = arguments.check_device_ids(device_ids, output_device, self.device)
-        self.output_device = output_device if self.device_ids is not None else None
+        # As torch: a single-device CUDA model's outputs default to its device.
+        self.output_device = (None if self.device_ids is None else
+                              output_device if output_device is not None else self.device_ids[0])
         self._buffer_slots = buffer_slots(module)
         self._trainable_names = [n for n, _ in trainable]
         self._delayed_names = [n for n, _ in delay_all_reduce_named_params or []]
