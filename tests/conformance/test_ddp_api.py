@@ -345,25 +345,54 @@ def _delayed() -> dict:
     return {"diff": diff, "only_one": only_one}
 
 
+SCENARIOS: dict[str, Callable[[], dict]] = {
+    "new_arguments": _new_arguments,
+    "buffers": _buffers,
+    "hooks": _hooks,
+    "mismatch": _mismatch,
+    "copies": _copies,
+    "state_dicts": _state_dicts,
+    "members": _members,
+    "generic_join": _generic_join,
+    "mixed_precision": _mixed_precision,
+    "delayed": _delayed,
+}
+
+
 def _world2(rank: int) -> dict:
+    """Run every scenario; one that raises on every rank fails only its own tests."""
+    import traceback
+
     lockstep.init_distributed()
-    return {
-        "new_arguments": _new_arguments(),
-        "buffers": _buffers(),
-        "hooks": _hooks(),
-        "mismatch": _mismatch(),
-        "copies": _copies(),
-        "state_dicts": _state_dicts(),
-        "members": _members(),
-        "generic_join": _generic_join(),
-        "mixed_precision": _mixed_precision(),
-        "delayed": _delayed(),
-    }
+    out: dict[str, Any] = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            out[name] = scenario()
+        except Exception:  # noqa: BLE001 - reported by the tests that read this scenario
+            out[name] = {"scenario failed": traceback.format_exc()}
+        dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return lockstep.spawn(_world2, 2, timeout=180)
+    results = lockstep.spawn(_world2, 2, timeout=180)
+    for rank, result in enumerate(results):
+        for name, value in result.items():
+            if isinstance(value, dict) and "scenario failed" in value:
+                result[name] = _Failed(rank, name, value["scenario failed"])
+    return results
+
+
+class _Failed(dict):
+    """Stands for a scenario that raised: any read fails the test with the traceback."""
+
+    def __init__(self, rank: int, name: str, trace: str) -> None:
+        super().__init__()
+        self.message = f"scenario {name} raised on rank {rank}:\n{trace}"
+
+    def __getitem__(self, key: Any) -> Any:
+        pytest.fail(self.message)
 
 
 def _equal(a: Any, b: Any) -> bool:
