@@ -33,7 +33,7 @@ from lockstep.comm import (
     CommState,
     LocalSGD,
     PowerSGDState,
-    allreduce_hook,
+    uncompressed_hook,
     bf16_compress_hook,
     fp16_compress_hook,
     powersgd_hook,
@@ -82,7 +82,7 @@ def _data(args: argparse.Namespace) -> tuple[BlockDataset, torch.Tensor, int]:
 def _setup(method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            args: argparse.Namespace) -> tuple[ByteCounter, LocalSGD | None]:
     """Register the method's hook (or wrap for local SGD); return its byte counter."""
-    hooks = {"allreduce": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
+    hooks = {"allreduce": uncompressed_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
     if method in hooks:
         state = CommState()
         model.register_comm_hook(state, hooks[method])

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerError": "lockstep.multiproc",
     "DistributedDataParallel": "lockstep.ddp.wrapper",
     "GradBucket": "lockstep.ddp.comm_hooks",
+    "ReplicaMismatchError": "lockstep.ddp.replica_sync",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]  # noqa: PLE0605 - built from the table above

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from lockstep.comm import CommState, allreduce_hook
+from lockstep.comm import CommState, uncompressed_hook
 
 MICRO, PER_MICRO, STEPS = 4, 3, 2
 
@@ -66,7 +66,7 @@ def _worker(rank: int) -> dict:
     world = dist.get_world_size()
     reference, model = _net(), lockstep.DistributedDataParallel(_net())
     state = CommState()
-    model.register_comm_hook(state, allreduce_hook)
+    model.register_comm_hook(state, uncompressed_hook)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     worst_grad, syncs = 0.0, []

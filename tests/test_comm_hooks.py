@@ -10,9 +10,9 @@ import lockstep
 from lockstep.comm import (
     ByteCounter,
     CommState,
-    allreduce_hook,
     bf16_compress_hook,
     fp16_compress_hook,
+    uncompressed_hook,
 )
 from lockstep.comm.state import resolve_state
 from lockstep.ddp.comm_hooks import GradBucket
@@ -20,7 +20,7 @@ from lockstep.ddp.comm_hooks import GradBucket
 SHAPES = [(6, 5), (7,), (3, 4)]
 # Relative precision of one rounding: 2^-11 for fp16 (11 significant bits), 2^-8 for bf16.
 UNIT_ROUNDOFF = {
-    fp16_compress_hook: 2.0**-11, bf16_compress_hook: 2.0**-8, allreduce_hook: 2.0**-24
+    fp16_compress_hook: 2.0**-11, bf16_compress_hook: 2.0**-8, uncompressed_hook: 2.0**-24
 }
 
 
@@ -61,7 +61,7 @@ def _hook_reductions(rank: int) -> dict:
     exact = torch.stack(locals_).mean(0)
     bound = torch.stack(locals_).abs().mean(0)
     out: dict = {}
-    for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+    for hook in (uncompressed_hook, fp16_compress_hook, bf16_compress_hook):
         state = CommState()
         bucket, _ = make_bucket(rank)
         result = hook(state, bucket).wait()
@@ -95,7 +95,7 @@ def _hooks_under_ddp(rank: int, world: int) -> dict:
     reference(data).square().mean().backward()
     mine = data[4 * rank : 4 * (rank + 1)]
     errors = {}
-    for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+    for hook in (uncompressed_hook, fp16_compress_hook, bf16_compress_hook):
         state = CommState()
         ddp = lockstep.DistributedDataParallel(_net())
         ddp.register_comm_hook(state, hook)
@@ -112,19 +112,19 @@ def _hooks_under_ddp(rank: int, world: int) -> dict:
 def test_hooks_reduce_to_the_mean_within_dtype_bound_at_world_2():
     results = lockstep.spawn(_hook_reductions, 2, timeout=120)
     for out in results:
-        for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        for name in ("uncompressed_hook", "fp16_compress_hook", "bf16_compress_hook"):
             assert out[name]["within_bound"], name
             assert out[name]["in_place"] and out[name]["dtype"] == torch.float32, name
         numel = sum(torch.Size(s).numel() for s in SHAPES)
-        assert out["allreduce_hook"]["bytes"] == 4 * numel
+        assert out["uncompressed_hook"]["bytes"] == 4 * numel
         assert out["fp16_compress_hook"]["bytes"] == 2 * numel
         assert out["bf16_compress_hook"]["bytes"] == 2 * numel
         assert out["bare_group_state"]
         assert out["fp16_no_overflow"] == [60000.0] * 4
         ddp = out["ddp"]
-        assert ddp["allreduce_hook"][0] < 1e-5
+        assert ddp["uncompressed_hook"][0] < 1e-5
         assert ddp["fp16_compress_hook"][0] < 2e-3
         assert ddp["bf16_compress_hook"][0] < 2e-2
-        full_bytes = ddp["allreduce_hook"][2]
+        full_bytes = ddp["uncompressed_hook"][2]
         assert ddp["fp16_compress_hook"][2] * 2 == full_bytes == ddp["bf16_compress_hook"][2] * 2
         assert all(steps == 1 for _, steps, _ in ddp.values())

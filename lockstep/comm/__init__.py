@@ -1,16 +1,19 @@
 """Comm hooks that send fewer bytes, and local SGD that sends less often.
 
-- :mod:`~lockstep.comm.compression`: fp16/bf16 all-reduce (half the bytes).
+- :mod:`~lockstep.comm.compression`: fp16/bf16 all-reduce (half the bytes); the uncompressed
+  baseline; DDP's ``mixed_precision`` reduction in another dtype.
 - :mod:`~lockstep.comm.powersgd`: rank-r PowerSGD with error feedback (tens of times fewer).
 - :mod:`~lockstep.comm.local_sgd`: local SGD / DiLoCo (one merge every H steps).
 - :mod:`~lockstep.comm.state`: the byte counter every hook fills.
 """
 
 from lockstep.comm.compression import (
-    allreduce_hook,
+    ReduceDtypeState,
     bf16_compress_hook,
     compress_hook,
     fp16_compress_hook,
+    reduce_dtype_hook,
+    uncompressed_hook,
 )
 from lockstep.comm.local_sgd import LocalSGD, local_gradients_hook
 from lockstep.comm.powersgd import PowerSGDState, powersgd_hook
@@ -21,10 +24,12 @@ __all__ = [
     "CommState",
     "LocalSGD",
     "PowerSGDState",
-    "allreduce_hook",
+    "ReduceDtypeState",
     "bf16_compress_hook",
     "compress_hook",
     "fp16_compress_hook",
     "local_gradients_hook",
     "powersgd_hook",
+    "reduce_dtype_hook",
+    "uncompressed_hook",
 ]

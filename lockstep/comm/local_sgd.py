@@ -12,7 +12,8 @@ grow to hundreds of steps.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ __all__ = ["LocalSGD", "local_gradients_hook"]
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
-def local_gradients_hook(state: Any, bucket: GradBucket) -> "torch.futures.Future[torch.Tensor]":
+def local_gradients_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A comm hook that sends nothing: each rank keeps its own gradients."""
     return completed_future(bucket.buffer())
 

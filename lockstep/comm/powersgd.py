@@ -190,7 +190,7 @@ def _low_rank_mean(
     return [p @ q.t() for p, q in zip(ps, qs)]
 
 
-def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> "torch.futures.Future[torch.Tensor]":
+def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with rank-r approximations of its matrices (see the module docstring).
 
     The power step's two all-reduces depend on each other, so this hook blocks until they are

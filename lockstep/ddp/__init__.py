@@ -1,9 +1,17 @@
 """DistributedDataParallel: buckets (bucket.py), the reducer (reducer.py), comm hooks
-(comm_hooks.py), start-up agreement (replica_sync.py), step timing (timing.py), the wrapper
+(comm_hooks.py), start-up agreement (replica_sync.py), constructor checks (arguments.py),
+delayed all-reduce (delayed.py), uneven inputs (join.py), step timing (timing.py), the wrapper
 module (wrapper.py)."""
 
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
+from lockstep.ddp.replica_sync import ReplicaMismatchError
 from lockstep.ddp.timing import StepTiming
 from lockstep.ddp.wrapper import DistributedDataParallel
 
-__all__ = ["DistributedDataParallel", "GradBucket", "StepTiming", "allreduce_hook"]
+__all__ = [
+    "DistributedDataParallel",
+    "GradBucket",
+    "ReplicaMismatchError",
+    "StepTiming",
+    "allreduce_hook",
+]

@@ -8,12 +8,13 @@ torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) also run und
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "CommHook", "allreduce_hook", "completed_future"]
+__all__ = ["CommHook", "GradBucket", "allreduce_hook", "completed_future", "returns_future"]
 
 
 class GradBucket:
@@ -70,7 +71,7 @@ class GradBucket:
 CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def completed_future(value: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
+def completed_future(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """A future that already holds ``value`` (for hooks that need no communication)."""
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(value)
@@ -79,7 +80,7 @@ def completed_future(value: torch.Tensor) -> "torch.futures.Future[torch.Tensor]
 
 def allreduce_hook(
     process_group: dist.ProcessGroup | None, bucket: GradBucket
-) -> "torch.futures.Future[torch.Tensor]":
+) -> torch.futures.Future[torch.Tensor]:
     """The default hook: the mean over ranks by one asynchronous all-reduce.
 
     Dividing before the sum (not after) keeps fp16 gradients from overflowing in the sum.
@@ -90,3 +91,22 @@ def allreduce_hook(
     tensor.div_(world)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def returns_future(hook: Callable) -> Callable:
+    """``hook``, checked to return a ``torch.futures.Future`` (torch raises RuntimeError too)."""
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+
+    def checked(state: Any, bucket: GradBucket) -> torch.futures.Future:
+        fut = hook(state, bucket)
+        if not callable(getattr(fut, "wait", None)):  # torch._C.Future or torch.futures.Future
+            raise RuntimeError(  # noqa: TRY004 - torch's DDP raises RuntimeError here too
+                f"DistributedDataParallel: comm hook {name} returned {type(fut).__name__}, not a "
+                "torch.futures.Future holding the averaged bucket. Return e.g. "
+                "dist.all_reduce(t, async_op=True).get_future().then(...), or "
+                "lockstep.ddp.comm_hooks.completed_future(tensor) when nothing is sent."
+            )
+        return fut
+
+    checked.__qualname__ = checked.__name__ = getattr(hook, "__name__", "hook")
+    return checked

@@ -7,13 +7,21 @@ list with rank 0's and fails on every rank with the same message, naming the fir
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["parameter_signature", "first_mismatch", "verify_same_parameters", "broadcast_coalesced"]
+__all__ = [
+    "ReplicaMismatchError",
+    "broadcast_coalesced",
+    "buffer_slots",
+    "first_mismatch",
+    "live_buffers",
+    "parameter_signature",
+    "verify_same_parameters",
+]
 
 # Broadcast in chunks so that a huge model never needs a second full copy in one flat buffer.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -21,50 +29,91 @@ BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 Signature = list[tuple[str, tuple[int, ...], str]]
 
 
+class ReplicaMismatchError(RuntimeError, ValueError):
+    """Ranks hold different parameters (DDP's and ZeRO's start-up check).
+
+    A subclass of both :class:`RuntimeError` (what torch's DDP and ZeRO raise, so ``except
+    RuntimeError`` written for torch still catches it) and :class:`ValueError` (what lockstep
+    raised before, so existing handlers keep working).
+    """
+
+
 def parameter_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> Signature:
     """What must agree across ranks: names, shapes and dtypes, in registration order."""
     return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in named_params]
 
 
-def first_mismatch(reference: Signature, other: Signature) -> str | None:
-    """Describe the first difference between two signatures, or ``None`` when equal."""
+def first_mismatch(reference: Signature, other: Signature, kind: str = "parameter") -> str | None:
+    """Describe the first difference between two signatures, or ``None`` when equal.
+
+    Args:
+        kind: what the entries are, for the message ("parameter" or "buffer").
+    """
     for (ref_name, ref_shape, ref_dtype), (name, shape, dtype) in zip(reference, other):
         if ref_name != name:
-            return f"parameter {name!r} where rank 0 has {ref_name!r}"
+            return f"{kind} {name!r} where rank 0 has {ref_name!r}"
         if ref_shape != shape:
-            return f"parameter {name!r} has shape {list(shape)}, rank 0 has {list(ref_shape)}"
+            return f"{kind} {name!r} has shape {list(shape)}, rank 0 has {list(ref_shape)}"
         if ref_dtype != dtype:
-            return f"parameter {name!r} has dtype {dtype}, rank 0 has {ref_dtype}"
+            return f"{kind} {name!r} has dtype {dtype}, rank 0 has {ref_dtype}"
     if len(reference) != len(other):
         longer, extra = (reference, "rank 0 has") if len(reference) > len(other) else (other, "it has")
         name = longer[min(len(reference), len(other))][0]
         return (
-            f"{len(other)} parameters, rank 0 has {len(reference)} "
+            f"{len(other)} {kind}s, rank 0 has {len(reference)} "
             f"(first unmatched: {name!r}, which {extra})"
         )
     return None
 
 
 def verify_same_parameters(
-    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+    named_buffers: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> None:
-    """Raise on every rank when any rank's parameters differ from rank 0's.
+    """Raise on every rank when any rank's parameters (or buffers) differ from rank 0's.
+
+    Buffers are broadcast at construction too; one of another shape would make that broadcast
+    crash the process, so they are compared in the same (single) exchange.
 
     Raises:
-        ValueError: naming the first differing rank and parameter.
+        ReplicaMismatchError: naming the first differing rank and parameter or buffer.
     """
-    mine = parameter_signature(named_params)
+    mine = (parameter_signature(named_params), parameter_signature(named_buffers))
     world = dist.get_world_size(group)
-    everyone: list[Signature | None] = [None] * world
+    everyone: list[tuple[Signature, Signature] | None] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    assert reference is not None
     for rank, theirs in enumerate(everyone[1:], start=1):
-        diff = first_mismatch(everyone[0], theirs)
-        if diff is not None:
-            raise ValueError(
-                f"DistributedDataParallel: rank {rank} holds different parameters than rank 0: "
-                f"{diff}. Every rank must build the same model (same code, same arguments) "
-                "before wrapping it."
-            )
+        assert theirs is not None
+        for kind, ref, other in (("parameter", reference[0], theirs[0]),
+                                 ("buffer", reference[1], theirs[1])):
+            diff = first_mismatch(ref, other, kind)
+            if diff is not None:
+                raise ReplicaMismatchError(
+                    f"DistributedDataParallel: rank {rank} holds different {kind}s than rank 0: "
+                    f"{diff}. Every rank must build the same model (same code, same arguments) "
+                    "before wrapping it."
+                )
+
+
+def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(owning module, attribute name) of every buffer: looked up again at each broadcast."""
+    return [(owner, name) for _, owner in module.named_modules()
+            for name, _ in owner.named_buffers(recurse=False)]
+
+
+def live_buffers(slots: Sequence[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:
+    """The tensors now held in ``slots`` (a buffer reassigned in ``forward`` is the new one)."""
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for owner, name in slots:
+        buf = getattr(owner, name, None)
+        if isinstance(buf, torch.Tensor) and id(buf) not in seen:
+            seen.add(id(buf))
+            buffers.append(buf)
+    return buffers
 
 
 def broadcast_coalesced(

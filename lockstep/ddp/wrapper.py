@@ -1,53 +1,89 @@
 """lockstep.DistributedDataParallel: one process per device, gradients averaged during backward.
 
-The wrapper owns the user-facing contract (torch's constructor, ``.module``, ``no_sync``,
-``register_comm_hook``, state dicts without ``module.``); bucketing lives in ``bucket.py``, the
-reduction in ``reducer.py``, start-up agreement in ``replica_sync.py``.
+The wrapper owns the user-facing contract (torch 2.13's constructor, ``.module``, ``no_sync``,
+``register_comm_hook``, torch's ``Joinable`` members, pickling, state dicts without ``module.``);
+argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduction in
+``reducer.py``, start-up agreement in ``replica_sync.py``, uneven inputs in ``join.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Join, Joinable
 
-from lockstep.ddp.bucket import MB
-from lockstep.ddp.join import UnevenInputs
+from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
+from lockstep.ddp import arguments
+from lockstep.ddp.comm_hooks import returns_future
+from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
+from lockstep.ddp.join import DDPJoinHook, UnevenInputs
 from lockstep.ddp.reducer import Reducer
-from lockstep.ddp.replica_sync import broadcast_coalesced, verify_same_parameters
+from lockstep.ddp.replica_sync import (
+    broadcast_coalesced,
+    buffer_slots,
+    live_buffers,
+    verify_same_parameters,
+)
 from lockstep.ddp.timing import StepClock, StepTiming
+from lockstep.dp.scatter_gather import gather, scatter_kwargs
+from lockstep.tensors import move_to
 
 __all__ = ["DistributedDataParallel"]
 
 _PREFIX = "module."
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Every rank holds a replica; parameters and buffers are broadcast from rank 0 once, and the
     gradients of each backward pass are averaged over ranks by bucketed asynchronous all-reduces
-    that overlap the rest of backward. In a world of one it communicates nothing.
+    that overlap the rest of backward. In a world of one it communicates nothing. The arguments
+    are torch 2.13's, in torch's order; docs/torch-compatibility.md lists where lockstep differs.
 
     Args:
         module: the model, already on this rank's device.
         device_ids: ``[device]`` for a single-device CUDA module (inputs are moved there), or None.
-        output_device: accepted for compatibility; outputs stay where the module puts them.
-        dim: accepted for compatibility (single-device modules don't scatter).
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) before each forward.
+        output_device: accepted for a CUDA module; outputs stay where the module puts them.
+        dim: the batch dimension for :meth:`scatter` / :meth:`gather`.
+        broadcast_buffers: torch's older name for ``forward_sync_buffers``; ``False`` also skips
+            the buffers at construction (torch 2.13 does the same).
+        init_sync: check that ranks hold the same parameters and broadcast rank 0's parameters
+            and buffers at construction. ``False`` skips both: the ranks must already agree.
         process_group: the group to average over; None means the default group.
-        bucket_cap_mb: bucket size in MB (the first bucket is 1 MB so reduction starts early).
+        bucket_cap_mb: bucket size in MiB (the first bucket is 1 MiB so reduction starts early).
         find_unused_parameters: tolerate parameters that receive no gradient in an iteration.
+        check_reduction: deprecated in torch and without effect; a FutureWarning says so.
         gradient_as_bucket_view: ``.grad`` tensors are views of the bucket buffers (default True:
-            no second copy of gradient memory).
-        static_graph: accepted; the graph is treated like one with possibly unused parameters.
+            no second copy of gradient memory; torch's default is False).
+        static_graph: the graph is the same every iteration.
+        delay_all_reduce_named_params: ``(name, parameter)`` pairs averaged apart from the
+            buckets, in one all-reduce started when ``param_to_hook_all_reduce``'s gradient is
+            computed (see ``delayed.py``).
+        param_to_hook_all_reduce: the parameter whose gradient starts that all-reduce.
+        mixed_precision: torch's ``_MixedPrecision``; ``reduce_dtype`` is honoured (gradients are
+            summed and divided in that dtype, as torch does); ``param_dtype``/``buffer_dtype``
+            raise (use ``torch.autocast``).
+        device_mesh: a 1-D ``DeviceMesh`` whose group is averaged over (instead of
+            ``process_group``).
+        skip_all_reduce_unused_params: accepted; lockstep still reduces the (zero) gradients of
+            unused parameters, so results are the same as torch's, without its saving.
+        bucket_cap_mb_list: torch's per-bucket sizes; lockstep's buckets all take the largest.
+        batched_grad_copy: accepted; a kernel-count optimisation for CUDA with the same results.
+        forward_sync_buffers: broadcast rank 0's buffers before each forward (default True);
+            buffers are broadcast at construction either way.
 
     Raises:
-        ValueError: ranks hold different parameters (the message names rank and parameter).
+        TypeError: ``module`` is not an ``nn.Module``; a size that is not a number.
+        ValueError: a bad argument (the message names it).
+        ReplicaMismatchError: ranks hold different parameters (a RuntimeError and a ValueError;
+            the message names rank and parameter).
         RuntimeError: no process group exists, or the module has no trainable parameter.
 
     Example::
@@ -66,93 +102,145 @@ class DistributedDataParallel(nn.Module):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        arguments.check_module(module)
+        self._bucket_cap_bytes = arguments.bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
+        self._reduce_dtype = arguments.check_mixed_precision(mixed_precision)
+        if check_reduction:
+            arguments.warn_check_reduction()
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call lockstep.init_distributed() "
                 "first (it works under lockstep run, torchrun, srun and plain python)."
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.process_group)
-        self.device_ids = list(device_ids) if device_ids else None
-        self.output_device = output_device
+        self.process_group = arguments.resolve_process_group(process_group, device_mesh)
+        self.device_mesh = device_mesh
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync_flags(
+            broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters or static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.mixed_precision = mixed_precision
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
         self._clock: StepClock | None = None
-        self._uneven: UnevenInputs | None = None
-        named = _unique_trainable(module)
-        if not named:
+        self._uneven: UnevenInputs | None = None  # lockstep's join()
+        self._torch_join: UnevenInputs | None = None  # torch's Join([...]), through join_hook
+        self._hook_registered = False
+        trainable, delayed = split_delayed(
+            _unique_trainable(module), delay_all_reduce_named_params, param_to_hook_all_reduce)
+        if not trainable and not delayed:
             raise RuntimeError(
                 "DistributedDataParallel: the module has no parameter with requires_grad=True; "
                 "there is nothing to synchronise. Wrap a trainable model."
             )
-        self._device = named[0][1].device
-        self._check_devices(named)
-        self._buffers_to_sync = [b for b in module.buffers()]
-        self._reducer: Reducer | None = None
-        self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
-        if self.world_size > 1:
-            verify_same_parameters(list(module.named_parameters()), self.process_group)
-            state = [p.data for p in module.parameters()] + self._buffers_to_sync
+        self.device = (trainable or [("", delayed[0])])[0][1].device
+        self.device_type = self.device.type
+        self._check_devices(trainable)
+        self.device_ids = arguments.check_device_ids(device_ids, output_device, self.device)
+        # As torch: a single-device CUDA model's outputs default to its device.
+        self.output_device = (None if self.device_ids is None else
+                              output_device if output_device is not None else self.device_ids[0])
+        self._buffer_slots = buffer_slots(module)
+        self._trainable_names = [n for n, _ in trainable]
+        self._delayed_names = [n for n, _ in delay_all_reduce_named_params or []]
+        self._hook_param_name = hook_param_name(module, param_to_hook_all_reduce)
+        self._connect()
+        if init_sync and self.world_size > 1:
+            buffers = list(module.named_buffers()) if sync_buffers_at_init else []
+            verify_same_parameters(list(module.named_parameters()), self.process_group, buffers)
+            state = [p.detach() for p in module.parameters()] + [b.detach() for _, b in buffers]
             broadcast_coalesced(state, self._src, self.process_group)
-            cap = int((bucket_cap_mb if bucket_cap_mb is not None else 25) * MB)
+
+    def _connect(self) -> None:
+        """Everything tied to the process group: rebuilt after unpickling."""
+        self.world_size = dist.get_world_size(self.process_group)
+        self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
+        self._reducer: Reducer | None = None
+        self._delayed: DelayedAllReduce | None = None
+        if self.world_size == 1:
+            return
+        named = dict(self.module.named_parameters())
+        if self._trainable_names:
             self._reducer = Reducer(
-                [p for _, p in named], [n for n, _ in named], self.process_group, cap,
-                self.find_unused_parameters, gradient_as_bucket_view,
+                [named[n] for n in self._trainable_names], self._trainable_names,
+                self.process_group, self._bucket_cap_bytes, self.find_unused_parameters,
+                self.gradient_as_bucket_view,
             )
+        if self._delayed_names:
+            self._delayed = DelayedAllReduce([named[n] for n in self._delayed_names],
+                                             named[self._hook_param_name], self.process_group)
+        if self._reduce_dtype is not None and self._reducer is not None:
+            state = ReduceDtypeState(self.process_group, reduce_dtype=self._reduce_dtype)
+            self._reducer.comm_hook, self._reducer.comm_state = reduce_dtype_hook, state
+            self._hook_registered = True
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
         for name, p in named:
-            if p.device != self._device:
+            if p.device != self.device:
                 raise ValueError(
                     f"DistributedDataParallel: parameter {name!r} is on {p.device} but "
-                    f"{named[0][0]!r} is on {self._device}; lockstep's DDP drives one device per "
+                    f"{named[0][0]!r} is on {self.device}; lockstep's DDP drives one device per "
                     "process. Move the whole model with model.to(device) before wrapping."
                 )
         backend = str(dist.get_backend(self.process_group))
-        if backend == "nccl" and self._device.type != "cuda":
+        if backend == "nccl" and self.device.type != "cuda":
             raise ValueError(
-                f"DistributedDataParallel: the model is on {self._device} but the process group "
+                f"DistributedDataParallel: the model is on {self.device} but the process group "
                 "uses NCCL, which needs CUDA tensors. Call model.to(info.device) before wrapping."
-            )
-        if self.device_ids and len(self.device_ids) != 1:
-            raise ValueError(
-                f"device_ids={self.device_ids}: lockstep's DDP drives one device per process; "
-                "pass device_ids=[local_rank] (or None) and start one process per device."
             )
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         reducer, clock = self._reducer, self._clock
-        if reducer is None and clock is None and self.device_ids is None and self._uneven is None:
+        if (reducer is None and clock is None and self.device_ids is None
+                and self._uneven is None and self._torch_join is None and self._delayed is None):
             return self.module(*inputs, **kwargs)
         if clock is not None:
             clock.forward_started()
         if self.device_ids is not None:
-            device = torch.device("cuda", self.device_ids[0]) if isinstance(
-                self.device_ids[0], int) else torch.device(self.device_ids[0])
-            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+            moved_inputs, moved_kwargs = self.to_kwargs(inputs, kwargs, self.device_ids[0])
+            inputs, kwargs = moved_inputs[0], moved_kwargs[0]
         grad_enabled = torch.is_grad_enabled()
+        sync = grad_enabled and self.require_backward_grad_sync
         src = self._src
-        if self._uneven is not None:
-            src = self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
-        self._sync_buffers(src)
+        join = self._uneven
+        if join is None and self._torch_join is not None and self._join_config.enable:
+            Join.notify_join_context(self)  # torch's generic Join counts the active ranks
+            join = self._torch_join
+        if join is not None:
+            src = join.announce(sync)
+        if self.world_size > 1 and self.will_sync_module_buffers():
+            self.sync_module_buffers(src)
+        if self._delayed is not None and grad_enabled:
+            self._delayed.before_forward(sync)
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync)
+        # As torch: the forward after a no_sync forward does not broadcast buffers.
+        self.require_forward_param_sync = sync
         if clock is not None:
             clock.forward_ended()
             if grad_enabled:
@@ -160,10 +248,91 @@ class DistributedDataParallel(nn.Module):
                 _hook_first_tensor(output, clock, end_on_backward=ends_itself)
         return output
 
-    def _sync_buffers(self, src: int) -> None:
-        """Broadcast buffers from global rank ``src`` (rank 0, or an active rank under join)."""
-        if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+    def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[Any]) -> tuple:
+        """torch's hook for splitting inputs over ``device_ids`` along ``dim``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: Any) -> tuple:
+        """``((inputs,), (kwargs,))`` moved to ``device_id`` of this model's device type."""
+        device = (torch.device(self.device_type, device_id) if isinstance(device_id, int)
+                  else torch.device(device_id))
+        return (move_to(tuple(inputs), device),), (move_to(dict(kwargs or {}), device),)
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        """torch's hook for concatenating per-device outputs along ``dim``."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    # ---- buffers -------------------------------------------------------------------------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name for :attr:`forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts rank 0's buffers (torch's rule)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and bool(self._buffer_slots))
+
+    def sync_module_buffers(self, src: int) -> None:
+        """Broadcast the module's buffers from global rank ``src`` (rank 0, or an active rank).
+
+        Buffers are looked up by name each time, so one reassigned in ``forward``
+        (``self.buf = self.buf + 1``) is still the one broadcast.
+        """
+        buffers = live_buffers(self._buffer_slots)
+        if buffers:
+            broadcast_coalesced(buffers, src, self.process_group)
+
+    # ---- the seam for join and pipelines ---------------------------------------------------
+    @property
+    def join_device(self) -> torch.device:
+        """torch's ``Joinable``: where join's own collectives run."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """torch's ``Joinable``: the group join's collectives run over."""
+        return self.process_group
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """torch's ``Joinable``: the hook ``torch.distributed.algorithms.Join([model, ...])`` runs.
+
+        Args:
+            divide_by_initial_world_size: average over all ranks (True, default) or over the
+                ranks still active in each iteration.
+        """
+        state = UnevenInputs(self, kwargs.get("divide_by_initial_world_size", True), False)
+        self._torch_join = state
+
+        def done() -> None:
+            self._torch_join = None
+
+        return DDPJoinHook(state, done)
+
+    def set_gradient_scale(self, scale: float) -> None:
+        """Multiply the averaged gradients of every later backward by ``scale`` (join uses it)."""
+        if self._reducer is not None:
+            self._reducer.grad_scale = scale
+
+    def shadow_backward(self) -> None:
+        """Issue one backward's gradient collectives with zeros (a rank that has joined)."""
+        if self._reducer is not None:
+            self._reducer.shadow_backward()
+
+    def sync_next_backward(self) -> None:
+        """Make the coming backward average gradients, whatever the last forward decided.
+
+        For schedules whose backward order differs from their forward order (pipelines run
+        every forward under ``no_sync`` and arm only the last backward).
+        """
+        if self._reducer is not None:
+            self._reducer.prepare_for_backward(True)
+        if self._delayed is not None:
+            self._delayed.armed = True
 
     @contextlib.contextmanager
     def join(
@@ -175,7 +344,8 @@ class DistributedDataParallel(nn.Module):
         """Train on uneven inputs: a rank that runs out of batches shadows the others.
 
         Wrap the whole training loop. At the end every rank holds the model of the rank that ran
-        the most iterations. Costs one tiny all-reduce per forward while enabled.
+        the most iterations. Costs one tiny all-reduce per forward while enabled. (torch's
+        ``Join([model, optimizer])`` works too, through :meth:`join_hook`.)
 
         Args:
             divide_by_initial_world_size: average over all ranks (True), or over the ranks that
@@ -200,7 +370,7 @@ class DistributedDataParallel(nn.Module):
             state.shadow_until_all_joined()
         finally:
             self._uneven = None
-            self._reducer.grad_scale = 1.0
+            self.set_gradient_scale(1.0)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -219,20 +389,26 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Replace the default averaging all-reduce: ``hook(state, bucket) -> Future[Tensor]``.
 
-        The future's value must be the bucket's flat tensor averaged over ranks. Register once,
-        before the first backward. Hooks written for torch's DDP work unchanged.
+        The future's value must be the bucket's flat tensor averaged over ranks. Register once
+        (a second call raises RuntimeError, as torch's). Hooks written for torch's DDP work
+        unchanged.
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        if getattr(self, "_hook_registered", False):
-            raise RuntimeError("register_comm_hook may be called only once per model")
+        if self._hook_registered:
+            why = (" (mixed_precision installed its reduce_dtype hook)"
+                   if self._reduce_dtype is not None else "")
+            raise RuntimeError(
+                f"register_comm_hook may be called only once per model{why}; build a new "
+                "DistributedDataParallel to use another hook, or combine both in one hook."
+            )
         self._hook_registered = True
         if self._reducer is not None:
-            self._reducer.comm_hook, self._reducer.comm_state = hook, state
+            self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
     def enable_step_timing(self, enabled: bool = True) -> None:
         """Record forward, backward and exposed-communication seconds of every iteration."""
-        self._clock = StepClock(self._device) if enabled else None
+        self._clock = StepClock(self.device) if enabled else None
         if self._reducer is not None:
             self._reducer.clock = self._clock
 
@@ -241,9 +417,44 @@ class DistributedDataParallel(nn.Module):
         """One :class:`~lockstep.ddp.timing.StepTiming` per iteration since timing was enabled."""
         return self._clock.history if self._clock is not None else []
 
+    # ---- pickling and deepcopy: without the process group, rebuilt on load ---------------
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError(
+                "DistributedDataParallel can be pickled or deep-copied only when it averages "
+                "over the default process group (no process_group= or device_mesh= given); "
+                "copy the inner model instead: copy.deepcopy(ddp.module)."
+            )
+        state = dict(self.__dict__)
+        for key in ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
+                    "_torch_join", "_clock"):
+            state.pop(key, None)
+        # A copy starts with the default reduction (the hook's state may hold a group).
+        state["_hook_registered"] = False
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "unpickling a DistributedDataParallel needs a process group: call "
+                "lockstep.init_distributed() first, or unpickle the inner model."
+            )
+        self.process_group = dist.group.WORLD
+        self.device_mesh = None
+        self._uneven = self._torch_join = self._clock = None
+        Joinable.__init__(self)
+        self._connect()
+
     # ---- checkpoints: keys without "module." ----------------------------------------------
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, Any]:
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The inner module's state dict: keys without torch DDP's ``module.``.
+
+        ``state_dict(prefix="module.")`` gives torch DDP's keys instead (for a checkpoint that
+        torch's DDP ``load_state_dict`` must read).
+        """
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
@@ -268,18 +479,6 @@ class DistributedDataParallel(nn.Module):
 def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     # named_parameters() already yields a tied parameter once, under its first name.
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def _move_to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_move_to(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _move_to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> None:

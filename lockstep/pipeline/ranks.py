@@ -9,7 +9,8 @@ from the loss). Neither side needs a central coordinator: the schedule is the ag
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from lockstep.pipeline import comms
 from lockstep.pipeline.schedule import Action
 from lockstep.pipeline.stage import StageRunner
 
-__all__ = ["run_rank", "StagePeers"]
+__all__ = ["StagePeers", "run_rank"]
 
 
 class StagePeers:
@@ -62,14 +63,14 @@ def _arm_sync(module: torch.nn.Module) -> None:
     """
     if not hasattr(module, "no_sync"):
         return
-    if not hasattr(module, "_reducer"):
+    sync_next_backward = getattr(module, "sync_next_backward", None)
+    if sync_next_backward is None:
         raise RuntimeError(
             f"the pipeline stage is wrapped in {type(module).__name__}, which has no_sync() but "
-            "no way lockstep knows to sync only the last micro-batch; wrap the stage in "
-            "lockstep.DistributedDataParallel instead"
+            "no sync_next_backward(), so lockstep cannot sync only the last micro-batch; wrap "
+            "the stage in lockstep.DistributedDataParallel instead"
         )
-    if module._reducer is not None:  # lockstep's DDP; None in a world of one: nothing to sync
-        module._reducer.prepare_for_backward(True)
+    sync_next_backward()
 
 
 def run_rank(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lockstep.ddp.replica_sync import ReplicaMismatchError
 from lockstep.zero import state as zstate
 from lockstep.zero.broadcast import (
     attach_views,
@@ -57,7 +58,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         TypeError: ``optimizer_class`` is not a subclass of ``torch.optim.Optimizer``.
         ValueError: no parameters, parameters on several devices (or on the CPU with NCCL),
             or ``overlap_with_ddp=True``.
-        RuntimeError: no process group, or ranks passed different parameters.
+        RuntimeError: no process group.
+        ReplicaMismatchError: ranks passed different parameters (a RuntimeError and a ValueError).
 
     Example::
 
@@ -250,7 +252,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         dist.all_gather_object(everyone, signature, group=self.process_group)
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
-                raise RuntimeError(_mismatch_message(rank, everyone[0], theirs))
+                raise ReplicaMismatchError(_mismatch_message(rank, everyone[0], theirs))
 
 
 def _check_arguments(optimizer_class: Any, overlap_with_ddp: bool) -> None:
