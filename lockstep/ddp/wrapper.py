@@ -19,6 +19,7 @@ from lockstep.ddp.bucket import MB
 from lockstep.ddp.join import UnevenInputs
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import broadcast_coalesced, verify_same_parameters
+from lockstep.ddp.sparse import expects_sparse_gradients
 from lockstep.ddp.timing import StepClock, StepTiming
 
 __all__ = ["DistributedDataParallel"]
@@ -44,7 +45,9 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: tolerate parameters that receive no gradient in an iteration.
         gradient_as_bucket_view: ``.grad`` tensors are views of the bucket buffers (default True:
             no second copy of gradient memory).
-        static_graph: accepted; the graph is treated like one with possibly unused parameters.
+        static_graph: the graph is the same every iteration: the first backward records which
+            parameters get a gradient and how many times (a block checkpointed twice), later
+            ones rely on it (no search for unused parameters).
 
     Raises:
         ValueError: ranks hold different parameters (the message names rank and parameter).
@@ -109,9 +112,11 @@ class DistributedDataParallel(nn.Module):
             state = [p.data for p in module.parameters()] + self._buffers_to_sync
             broadcast_coalesced(state, self._src, self.process_group)
             cap = int((bucket_cap_mb if bucket_cap_mb is not None else 25) * MB)
+            params = [p for _, p in named]
             self._reducer = Reducer(
-                [p for _, p in named], [n for n, _ in named], self.process_group, cap,
-                self.find_unused_parameters, gradient_as_bucket_view,
+                params, [n for n, _ in named], self.process_group, cap,
+                self.find_unused_parameters, gradient_as_bucket_view, static_graph=static_graph,
+                expect_sparse=expects_sparse_gradients(module, params),
             )
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -152,7 +157,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers(src)
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
-            reducer.prepare_for_backward(self.require_backward_grad_sync)
+            reducer.prepare_for_backward(self.require_backward_grad_sync, output)
         if clock is not None:
             clock.forward_ended()
             if grad_enabled:
@@ -163,7 +168,10 @@ class DistributedDataParallel(nn.Module):
     def _sync_buffers(self, src: int) -> None:
         """Broadcast buffers from global rank ``src`` (rank 0, or an active rank under join)."""
         if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+            # Keep version counters: a second forward before backward (GAN, contrastive) would
+            # otherwise invalidate the buffers the first one saved for backward (as torch does).
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers_to_sync)):
+                broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
 
     @contextlib.contextmanager
     def join(
