@@ -12,11 +12,12 @@ its first-iteration callback from the outputs in the same way).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["hook_outputs", "current_backward_id"]
+__all__ = ["current_backward_id", "hook_outputs"]
 
 
 def hook_outputs(output: Any, on_grad: Callable[[], None]) -> int:

@@ -10,12 +10,12 @@ buffer, so its bucket holds no buffer and the gradient itself is reduced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-__all__ = ["BucketSpec", "assign_buckets", "Bucket", "MB"]
+__all__ = ["MB", "Bucket", "BucketSpec", "assign_buckets"]
 
 MB = 1024 * 1024
 # The first bucket is small so that the first all-reduce starts early in backward.
@@ -32,7 +32,7 @@ class BucketSpec:
     sparse: bool = False  # a sparse gradient never shares a bucket
 
     @classmethod
-    def of(cls, param: torch.Tensor, sparse: bool = False) -> "BucketSpec":
+    def of(cls, param: torch.Tensor, sparse: bool = False) -> BucketSpec:
         return cls(param.numel(), param.element_size(), (param.dtype, param.device), sparse)
 
 
@@ -98,7 +98,7 @@ class Bucket:
         param_indices: list[int],
         params: Sequence[torch.nn.Parameter],
         sparse: bool = False,
-    ) -> "Bucket":
+    ) -> Bucket:
         members = [params[i] for i in param_indices]
         if sparse:
             if len(members) != 1:

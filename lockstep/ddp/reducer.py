@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,12 @@ from lockstep import collective_checks
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
-from lockstep.ddp.reducer_errors import graph_changed, nested_with_find_unused, ready_twice, unused
+from lockstep.ddp.reducer_errors import (
+    graph_changed,
+    nested_with_find_unused,
+    ready_twice,
+    unused,
+)
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
 from lockstep.ddp.timing import StepClock
 
@@ -164,7 +170,7 @@ class Reducer:
                 if fut is not None:
                     try:
                         fut.wait()
-                    except Exception:  # noqa: BLE001 - that iteration already failed
+                    except Exception:
                         logger.debug("all-reduce of an abandoned backward failed", exc_info=True)
             self._reset_iteration()
         self._active = sync

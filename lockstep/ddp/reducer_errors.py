@@ -7,7 +7,7 @@ wrong gradient.
 
 from __future__ import annotations
 
-__all__ = ["ready_twice", "nested_with_find_unused", "graph_changed", "unused"]
+__all__ = ["graph_changed", "nested_with_find_unused", "ready_twice", "unused"]
 
 _TORCH_TOO = "(torch's DDP raises here too: \"Expected to mark a variable ready only once\")"
 

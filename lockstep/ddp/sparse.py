@@ -9,14 +9,14 @@ comm hook reduces it (an all-reduce of a sparse tensor: gloo gathers indices and
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from lockstep.ddp.comm_hooks import GradBucket
 
-__all__ = ["expects_sparse_gradients", "SparseGradBucket", "empty_sparse_grad", "sparse_grad_of"]
+__all__ = ["SparseGradBucket", "empty_sparse_grad", "expects_sparse_gradients", "sparse_grad_of"]
 
 
 def expects_sparse_gradients(module: nn.Module, params: Sequence[nn.Parameter]) -> list[bool]:
