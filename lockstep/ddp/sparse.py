@@ -51,7 +51,7 @@ def empty_sparse_grad(param: torch.Tensor) -> torch.Tensor:
     dense_shape = tuple(param.shape[1:])
     indices = torch.empty(1, 0, dtype=torch.int64, device=param.device)
     values = torch.empty((0, *dense_shape), dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, tuple(param.shape))
+    return torch.sparse_coo_tensor(indices, values, tuple(param.shape), check_invariants=True)
 
 
 def sparse_grad_of(param: torch.Tensor, name: str) -> torch.Tensor:
