@@ -265,8 +265,8 @@ class Reducer:
             param, (b, slot) = self.params[i], self._where[i]
             grad = param.grad
             if self.buckets[b].sparse:
-                self._saved[i] = grad
-                self._sparse_grads[b] = empty_sparse_grad(param) if grad is None else grad
+                self._saved[i] = grad  # a comm hook divides its input in place: give it a copy
+                self._sparse_grads[b] = empty_sparse_grad(param) if grad is None else grad.clone()
                 self._ready[i] = True
                 self._pending[b] -= 1
                 continue
