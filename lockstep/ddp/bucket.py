@@ -3,17 +3,19 @@
 All-reducing one tensor per parameter pays a latency per call; one tensor for the whole model
 cannot start until backward ends. Buckets of ~25 MB are the middle ground: a bucket is reduced as
 soon as its last gradient arrives, while backward goes on computing the earlier layers
-(Li et al., "PyTorch Distributed", VLDB 2020).
+(Li et al., "PyTorch Distributed", VLDB 2020). A parameter with sparse gradients
+(``nn.Embedding(sparse=True)``) gets a bucket of its own: sparse tensors cannot share a flat
+buffer, so its bucket holds no buffer and the gradient itself is reduced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-__all__ = ["BucketSpec", "assign_buckets", "Bucket", "MB"]
+__all__ = ["MB", "Bucket", "BucketSpec", "assign_buckets"]
 
 MB = 1024 * 1024
 # The first bucket is small so that the first all-reduce starts early in backward.
@@ -27,10 +29,11 @@ class BucketSpec:
     numel: int
     element_size: int
     key: tuple  # (dtype, device): only gradients of one dtype on one device share a buffer
+    sparse: bool = False  # a sparse gradient never shares a bucket
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> "BucketSpec":
-        return cls(param.numel(), param.element_size(), (param.dtype, param.device))
+    def of(cls, param: torch.Tensor, sparse: bool = False) -> BucketSpec:
+        return cls(param.numel(), param.element_size(), (param.dtype, param.device), sparse)
 
 
 def assign_buckets(
@@ -43,7 +46,7 @@ def assign_buckets(
 
     Each (dtype, device) group fills its own buckets: the first up to ``first_cap_bytes``,
     the next ones up to ``cap_bytes``. A bucket closes as soon as it reaches its cap, so a
-    parameter larger than the cap gets a bucket of its own.
+    parameter larger than the cap gets a bucket of its own, as does every sparse one.
 
     Returns:
         Buckets as lists of indices into ``specs``, sorted by when their first member is visited
@@ -59,6 +62,9 @@ def assign_buckets(
     done: list[list[int]] = []
     for idx in order:
         spec = specs[idx]
+        if spec.sparse:
+            done.append([idx])
+            continue
         bucket = open_buckets.setdefault(spec.key, [])
         bucket.append(idx)
         open_bytes[spec.key] = open_bytes.get(spec.key, 0) + spec.numel * spec.element_size
@@ -83,12 +89,22 @@ class Bucket:
     buffer: torch.Tensor
     offsets: list[int]
     views: list[torch.Tensor] = field(default_factory=list)
+    sparse: bool = False  # one parameter with a sparse gradient; ``buffer`` is then empty
 
     @classmethod
     def allocate(
-        cls, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter]
-    ) -> "Bucket":
+        cls,
+        index: int,
+        param_indices: list[int],
+        params: Sequence[torch.nn.Parameter],
+        sparse: bool = False,
+    ) -> Bucket:
         members = [params[i] for i in param_indices]
+        if sparse:
+            if len(members) != 1:
+                raise ValueError("a sparse bucket holds exactly one parameter")
+            empty = torch.empty(0, dtype=members[0].dtype, device=members[0].device)
+            return cls(index, list(param_indices), members, empty, [0], [], sparse=True)
         offsets, total = [], 0
         for p in members:
             offsets.append(total)

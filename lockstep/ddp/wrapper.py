@@ -30,6 +30,7 @@ from lockstep.ddp.replica_sync import (
     live_buffers,
     verify_same_parameters,
 )
+from lockstep.ddp.sparse import expects_sparse_gradients
 from lockstep.ddp.timing import StepClock, StepTiming
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
@@ -62,7 +63,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction: deprecated in torch and without effect; a FutureWarning says so.
         gradient_as_bucket_view: ``.grad`` tensors are views of the bucket buffers (default True:
             no second copy of gradient memory; torch's default is False).
-        static_graph: the graph is the same every iteration.
+        static_graph: the graph is the same every iteration: the first backward records which
+            parameters get a gradient and how many times (a block checkpointed twice), later
+            ones rely on it (no search for unused parameters).
         delay_all_reduce_named_params: ``(name, parameter)`` pairs averaged apart from the
             buckets, in one all-reduce started when ``param_to_hook_all_reduce``'s gradient is
             computed (see ``delayed.py``).
@@ -187,7 +190,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._reducer = Reducer(
                 [named[n] for n in self._trainable_names], self._trainable_names,
                 self.process_group, self._bucket_cap_bytes, self.find_unused_parameters,
-                self.gradient_as_bucket_view,
+                self.gradient_as_bucket_view, static_graph=self.static_graph,
+                expect_sparse=expects_sparse_gradients(
+                    self.module, [named[n] for n in self._trainable_names]),
             )
         if self._delayed_names:
             self._delayed = DelayedAllReduce([named[n] for n in self._delayed_names],
@@ -238,7 +243,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._delayed.before_forward(sync)
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
-            reducer.prepare_for_backward(self.require_backward_grad_sync)
+            reducer.prepare_for_backward(self.require_backward_grad_sync, output)
         # As torch: the forward after a no_sync forward does not broadcast buffers.
         self.require_forward_param_sync = sync
         if clock is not None:
@@ -285,7 +290,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         buffers = live_buffers(self._buffer_slots)
         if buffers:
-            broadcast_coalesced(buffers, src, self.process_group)
+            # Keep version counters: a second forward before backward (GAN, contrastive) would
+            # otherwise invalidate the buffers the first one saved for backward (as torch does).
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- the seam for join and pipelines ---------------------------------------------------
     @property
