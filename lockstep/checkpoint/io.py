@@ -25,6 +25,7 @@ __all__ = [
     "decode",
     "encode",
     "fsync_dir",
+    "check_length",
     "load_file",
     "read_verified",
     "write_atomic",
@@ -168,6 +169,27 @@ def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:
             "write to; the previous checkpoint is untouched."
         )
     return f"cannot write {path}: {exc}; the previous checkpoint is untouched."
+
+
+def check_length(path: Path) -> None:
+    """Check, from its header alone, that ``path`` is present and complete (no checksum).
+
+    Raises:
+        CheckpointError: the file is missing, not a lockstep checkpoint file, or truncated.
+    """
+    try:
+        with path.open("rb") as fh:
+            header = fh.readline(len(_MAGIC) + 64)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    parts = header.rstrip(b"\n").split(b" ")
+    if len(parts) != 3 or parts[0] != _MAGIC or not parts[2].isdigit():
+        raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
+    if size - len(header) != int(parts[2]):
+        raise CheckpointError(
+            f"{path} is truncated: {size - len(header)} of {int(parts[2])} bytes"
+        )
 
 
 def read_verified(path: Path) -> Any:

@@ -7,6 +7,7 @@ Layout of ``directory``::
         rng-rank00000.pt        each rank's random generator states
         rng-rank00001.pt
     .staging-step_000000001300/ a save in progress (or one cut short: never restored)
+    .damaged-step_000000000900/ a checkpoint found damaged when pruning, set aside
 
 A save writes every file into the staging directory (temporary file, fsync, rename), then all
 ranks meet, then rank 0 renames the staging directory to its final name, so a checkpoint
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from lockstep.checkpoint.io import (
     CheckpointError,
+    check_length,
     check_loadable,
     describe_os_error,
     encode,
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 _FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)$")
 _STATE_FILE = "state.pt"
+_DAMAGED_PREFIX = ".damaged-"
 
 
 def _dir_name(step: int) -> str:
@@ -128,6 +131,8 @@ class Checkpointer:
         self.process_group = process_group
         self.timeout = timedelta(seconds=timeout)
         self._calls = 0
+        # Checkpoint -> its world size, for those written or verified by this object.
+        self._known_intact: dict[Path, int] = {}
 
     def _meet(self, call: str) -> None:
         """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
@@ -232,7 +237,7 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
 
         self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        error = self._attempt(lambda: self._publish(staging, final))[1] if rank == 0 else None
+        error = self._attempt(lambda: self._publish(staging, final, world))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:
             logger.info("saved checkpoint %s", final)
@@ -263,7 +268,7 @@ class Checkpointer:
             check_loadable(state, f"{name}.state_dict()")
         write_atomic(staging / _STATE_FILE, encode(payload))
 
-    def _publish(self, staging: Path, final: Path) -> None:
+    def _publish(self, staging: Path, final: Path, world: int) -> None:
         fsync_dir(staging)
         if final.exists():
             # Re-saving a step (its earlier copy was damaged): move it aside, never overwrite.
@@ -274,8 +279,59 @@ class Checkpointer:
         else:
             os.replace(staging, final)
         fsync_dir(self.directory)
-        for old in self._complete_dirs()[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._known_intact[final] = world
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        """Keep ``newest`` and the next ``keep - 1`` intact checkpoints, newest step first.
+
+        The checkpoint just written is never deleted, whatever its step (a fresh start after
+        damaged checkpoints saves a lower step than theirs). Damaged checkpoints do not count as
+        kept: they are moved aside with a warning naming them.
+        """
+        kept = 1
+        for path in self._complete_dirs():
+            if path == newest:
+                continue
+            if kept >= self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+            elif self._is_intact(path):
+                kept += 1
+            else:
+                self._set_aside(path)
+
+    def _is_intact(self, path: Path) -> bool:
+        """Whether ``path`` reads back intact.
+
+        Each checkpoint is read in full (checksums) at most once per process; one this object
+        wrote or already verified gets a cheap check instead: every file present, none truncated.
+        """
+        try:
+            world = self._known_intact.get(path)
+            if world is None:
+                self._verify(path)
+            else:
+                for name in [_STATE_FILE, *(_rng_file(rank) for rank in range(world))]:
+                    check_length(path / name)
+        except CheckpointError:
+            self._known_intact.pop(path, None)
+            return False
+        return True
+
+    def _set_aside(self, path: Path) -> None:
+        aside = self.directory / f"{_DAMAGED_PREFIX}{path.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(path, aside)
+        except OSError as exc:  # pruning must not fail a save that succeeded
+            logger.warning("could not move damaged checkpoint %s aside: %s", path, exc)
+            return
+        message = (
+            f"checkpoint {path} is damaged and cannot be restored: moved it aside to {aside} "
+            "so that it no longer counts among the kept ones. Delete it when you no longer need it."
+        )
+        warnings.warn(message, stacklevel=4)
+        logger.warning(message)
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -298,6 +354,7 @@ class Checkpointer:
             raise CheckpointError(f"{path / _STATE_FILE} records no valid world_size ({world!r})")
         for rank in range(world):
             read_verified(path / _rng_file(rank))
+        self._known_intact[path] = world
         return state
 
     def latest(self) -> Path | None:
