@@ -37,8 +37,8 @@ _EXPORTS: dict[str, str] = {
     "ProcessInfo": "lockstep.env",
     "init_distributed": "lockstep.distributed",
     "shutdown_distributed": "lockstep.distributed",
-    "spawn": "lockstep.multiproc",
-    "WorkerError": "lockstep.multiproc",
+    "spawn": "lockstep.launcher.spawn",
+    "WorkerError": "lockstep.launcher.spawn",
     "DistributedDataParallel": "lockstep.ddp.wrapper",
     "GradBucket": "lockstep.ddp.comm_hooks",
 }

@@ -17,7 +17,6 @@ All ranks must see ``directory`` (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -122,8 +121,18 @@ class Checkpointer:
         process_group: Any = None,
         timeout: float = 600.0,
     ) -> None:
-        if not isinstance(keep, int) or keep < 1:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"directory must be a path (str or pathlib.Path), got {type(directory).__name__} "
+                f"{directory!r}"
+            )
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be a positive int (checkpoints kept), got {keep!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(
+                f"timeout must be a number of seconds (int or float), got "
+                f"{type(timeout).__name__} {timeout!r}, e.g. Checkpointer(dir, timeout=600)"
+            )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.directory = Path(directory)
@@ -138,17 +147,60 @@ class Checkpointer:
         """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
         if self._rank_and_world()[1] == 1:
             return
-        self._calls += 1
-        # The path as given, not resolved: machines may mount a shared filesystem differently.
-        where = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
+        # Numbered by each rank's count of Checkpointer calls in this job (kept in the store),
+        # not by directory: ranks that disagree on the directory still meet, and are told so.
         missing = wait_for_peers(
-            f"checkpoint/{where}/{self._calls}", self.timeout, self.process_group
+            f"checkpoint/call-{self._next_call()}", self.timeout, self.process_group
         )
         if missing:
             raise CheckpointError(
                 f"rank {dist.get_rank()} waited {self.timeout.total_seconds():g}s in "
                 f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
                 "and restore() on every rank, not only on rank 0."
+            )
+
+    def _next_call(self) -> int:
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        key = f"lockstep/checkpoint/calls/{'-'.join(map(str, ranks))}/{dist.get_rank()}"
+        try:
+            # torch keeps the default group's store privately; it outlives Checkpointer objects.
+            return int(dist.distributed_c10d._get_default_store().add(key, 1))
+        except Exception:  # noqa: BLE001 - no store: count this object's calls only
+            self._calls += 1
+            return self._calls
+
+    def _check_agreement(self, call: str, step: int | None = None) -> None:
+        """Raise on every rank if the ranks passed different directories or steps."""
+        if self._rank_and_world()[1] == 1:
+            return
+        seen = self._gather((str(self.directory), step))
+        directories = {rank: where for rank, (where, _) in enumerate(seen)}
+        if len(set(directories.values())) > 1:
+            listed = ", ".join(f"rank {r}: {d!r}" for r, d in directories.items())
+            raise CheckpointError(
+                f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+                "rank must pass the same directory (one shared by all of them)."
+            )
+        steps = {rank: s for rank, (_, s) in enumerate(seen)}
+        if len(set(steps.values())) > 1:
+            listed = ", ".join(f"rank {r}: {s}" for r, s in steps.items())
+            raise CheckpointError(
+                f"Checkpointer.{call}: the ranks passed different steps ({listed}). Pass the "
+                "same step on every rank (e.g. the global step, not a per-rank counter)."
+            )
+
+    def _check_directory(self) -> None:
+        """Refuse a directory that is a file, or a single checkpoint (one level too deep)."""
+        where = self.directory
+        if where.exists() and not where.is_dir():
+            raise CheckpointError(
+                f"checkpoint directory {where} is a file, not a directory. Pass the folder that "
+                "holds (or will hold) the step_* checkpoints."
+            )
+        if _NAME.match(where.name) or (where / _STATE_FILE).exists():
+            raise CheckpointError(
+                f"{where} is a single checkpoint, not a checkpoint directory: pass its parent "
+                f"{where.parent} (the folder that holds the step_* checkpoints)."
             )
 
     # -- ranks -------------------------------------------------------------------------------
@@ -216,6 +268,7 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._meet(f"save(step={step})")
+        self._check_agreement(f"save(step={step})", step)
         rank, world = self._rank_and_world()
         final = self.directory / _dir_name(step)
         staging = self.directory / f".staging-{final.name}"
@@ -244,6 +297,7 @@ class Checkpointer:
         return final
 
     def _prepare(self, staging: Path) -> None:
+        self._check_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".staging-*"):
             shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a crash
@@ -374,6 +428,10 @@ class Checkpointer:
                 logger.warning("skipping damaged checkpoint %s: %s", path, exc)
         return None
 
+    def _find(self) -> tuple[Path, dict[str, Any]] | None:
+        self._check_directory()
+        return self._newest_intact()
+
     def restore(self, **objects: Any) -> Restored | None:
         """Load the newest intact checkpoint into ``objects``; call on every rank.
 
@@ -389,8 +447,9 @@ class Checkpointer:
                 model's weights (missing/unexpected keys listed), or could not be read.
         """
         self._meet("restore()")
+        self._check_agreement("restore()")
         rank, world = self._rank_and_world()
-        found, error = self._attempt(self._newest_intact) if rank == 0 else (None, None)
+        found, error = self._attempt(self._find) if rank == 0 else (None, None)
         choice, error = self._gather((found[0].name if found else None, error))[0]
         if error:
             raise CheckpointError(f"looking for a checkpoint in {self.directory} failed: {error}")
