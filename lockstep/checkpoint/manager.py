@@ -17,10 +17,12 @@ All ranks must see ``directory`` (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +48,6 @@ from lockstep.checkpoint.state import (
     object_state,
     restore_rng,
 )
-from lockstep.watchdog import wait_for_peers
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 
@@ -56,6 +57,17 @@ _FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)$")
 _STATE_FILE = "state.pt"
 _DAMAGED_PREFIX = ".damaged-"
+_IN_CALL = "lockstep/checkpoint/in-call"  # store key prefix: the directory each rank is in
+_MEETING = "lockstep/checkpoint/meet"  # store key prefix: who arrived at which call
+_POLL_S = 0.2  # at most this long between two looks at the store while waiting
+
+
+def _default_store() -> Any:
+    # torch keeps the default group's store privately; without it only the diagnosis is lost.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _dir_name(step: int) -> str:
@@ -144,30 +156,57 @@ class Checkpointer:
         self._known_intact: dict[Path, int] = {}
 
     def _meet(self, call: str) -> None:
-        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
+        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only).
+
+        A meeting through the store, not a collective, so nothing is left pending when a rank
+        never comes. While waiting, each rank also shows which directory it is in, so that
+        ranks given different directories are told so at once instead of timing out.
+        """
         if self._rank_and_world()[1] == 1:
             return
-        # Numbered by each rank's count of Checkpointer calls in this job (kept in the store),
-        # not by directory: ranks that disagree on the directory still meet, and are told so.
-        missing = wait_for_peers(
-            f"checkpoint/call-{self._next_call()}", self.timeout, self.process_group
-        )
+        store = _default_store()
+        if store is None:
+            return  # no store to meet in: the collectives that follow are the barrier
+        self._calls += 1
+        # The path as given, not resolved: machines may mount a shared filesystem differently.
+        where = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        keys = {r: f"{_MEETING}/{where}/{self._calls}/{r}" for r in ranks}
+        me = dist.get_rank()
+        store.set(f"{_IN_CALL}/{me}", str(self.directory))
+        store.set(keys[me], "1")
+        missing = self._wait(store, keys, call)
+        store.set(f"{_IN_CALL}/{me}", "")
         if missing:
             raise CheckpointError(
-                f"rank {dist.get_rank()} waited {self.timeout.total_seconds():g}s in "
+                f"rank {me} waited {self.timeout.total_seconds():g}s in "
                 f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
                 "and restore() on every rank, not only on rank 0."
             )
 
-    def _next_call(self) -> int:
-        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-        key = f"lockstep/checkpoint/calls/{'-'.join(map(str, ranks))}/{dist.get_rank()}"
-        try:
-            # torch keeps the default group's store privately; it outlives Checkpointer objects.
-            return int(dist.distributed_c10d._get_default_store().add(key, 1))
-        except Exception:  # noqa: BLE001 - no store: count this object's calls only
-            self._calls += 1
-            return self._calls
+    def _wait(self, store: Any, keys: dict[int, str], call: str) -> list[int]:
+        """Poll until every rank arrived (returns []) or the timeout (returns the missing)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 0.005
+        while True:
+            missing = [r for r, key in keys.items() if not store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            elsewhere = {}
+            for rank in missing:
+                if store.check([f"{_IN_CALL}/{rank}"]):
+                    elsewhere[rank] = store.get(f"{_IN_CALL}/{rank}").decode()
+            elsewhere = {r: d for r, d in elsewhere.items() if d and d != str(self.directory)}
+            if elsewhere:
+                mine = {dist.get_rank(): str(self.directory)}
+                listed = ", ".join(f"rank {r}: {d!r}" for r, d in sorted({**mine, **elsewhere}.items()))
+                # The in-call mark stays: the other ranks see this one's directory too.
+                raise CheckpointError(
+                    f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+                    "rank must pass the same directory (one shared by all of them)."
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S)
 
     def _check_agreement(self, call: str, step: int | None = None) -> None:
         """Raise on every rank if the ranks passed different directories or steps."""
