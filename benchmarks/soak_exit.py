@@ -48,7 +48,7 @@ def main() -> None:
     for run in range(1, args.runs + 1):
         with tempfile.TemporaryDirectory(prefix="lockstep_soak_exit_") as tmp:
             proc = subprocess.run(
-                command(args.script, Path(tmp)), cwd=tmp, env=env, capture_output=True,
+                command(args.script, Path(tmp)), cwd=tmp, env=env, check=False, capture_output=True,
                 text=True, timeout=args.timeout,
             )
             # One attempt_N folder per start of the workers: a second one is a restart.

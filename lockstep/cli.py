@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 _RUN_EPILOG = """\
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,

@@ -6,9 +6,9 @@ import atexit
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lockstep.env import ProcessInfo, default_backend, detect_process_info
 from lockstep.teardown import quiesce
 
-__all__ = ["init_distributed", "shutdown_distributed", "current_process_info", "pick_device"]
+__all__ = ["current_process_info", "init_distributed", "pick_device", "shutdown_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,5 +141,5 @@ def _leave_at_exit() -> None:
     """The atexit teardown: runs while the interpreter is whole, also after an exception."""
     try:
         shutdown_distributed()
-    except Exception:  # noqa: BLE001 - never turn a finished job's exit into a failure
+    except Exception:
         logger.debug("teardown at exit failed", exc_info=True)

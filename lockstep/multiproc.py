@@ -5,4 +5,4 @@ Starting a world from Python now lives beside the launcher, in :mod:`lockstep.la
 
 from lockstep.launcher.spawn import WorkerError, find_free_port, spawn
 
-__all__ = ["spawn", "WorkerError", "find_free_port"]
+__all__ = ["WorkerError", "find_free_port", "spawn"]

@@ -8,8 +8,8 @@ exit of a finished job (no abort at interpreter exit) and for a notebook-style `
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
 
 import lockstep
-from lockstep.checkpoint import CheckpointError, Checkpointer
+from lockstep.checkpoint import Checkpointer, CheckpointError
 from lockstep.cli import main as cli_main
 from lockstep.launcher import errors
 from lockstep.launcher.plan import LaunchPlan
@@ -91,11 +94,11 @@ def test_local_ranks_filter_outside_the_job_is_refused(capsys):
 
 
 def test_launch_plan_built_by_hand_is_validated():
-    base = dict(
-        nproc_per_node=2, min_nodes=1, max_nodes=1, node_rank=0, rdzv_backend="static",
-        rdzv_endpoint="127.0.0.1:0", run_id="x", max_restarts=0, monitor_interval=0.1,
-        entrypoint="python", args=(),
-    )
+    base = {
+        "nproc_per_node": 2, "min_nodes": 1, "max_nodes": 1, "node_rank": 0, "rdzv_backend": "static",
+        "rdzv_endpoint": "127.0.0.1:0", "run_id": "x", "max_restarts": 0, "monitor_interval": 0.1,
+        "entrypoint": "python", "args": (),
+    }
     LaunchPlan(**base)
     for change, message in [
         ({"nproc_per_node": 0}, "--nproc-per-node 0: a machine needs at least 1 worker"),
@@ -210,7 +213,7 @@ except TypeError as exc:
 """
     env = {**os.environ, "LOCKSTEP_START_METHOD": "spawn"}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=180, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "values [9.0, 9.0]" in out.stdout
@@ -224,7 +227,7 @@ def test_spawn_unguarded_at_a_scripts_top_level_is_refused(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import lockstep\ndef work(rank):\n    return rank\nlockstep.spawn(work, 2)\n")
     out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 1
     assert "lockstep.spawn is called at the top level of" in out.stderr
@@ -242,7 +245,7 @@ def test_finished_jobs_without_teardown_exit_cleanly(tmp_path):
     command = [sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2",
                str(SCRIPTS / "readme_ddp.py")]
     for _ in range(5):
-        out = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        out = subprocess.run(command, check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                              env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "rank 0 finished" in out.stdout and "rank 1 finished" in out.stdout

@@ -21,11 +21,11 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "check_length",
     "check_loadable",
     "decode",
     "encode",
     "fsync_dir",
-    "check_length",
     "load_file",
     "read_verified",
     "write_atomic",
@@ -217,7 +217,7 @@ def load_file(path: Path | str) -> Any:
             raise CheckpointError(f"reading {path} needs `pip install safetensors`") from exc
         try:
             return load_safetensors(str(path), device="cpu")
-        except Exception as exc:  # noqa: BLE001 - missing or damaged: one error type for callers
+        except Exception as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         with path.open("rb") as f:

@@ -23,7 +23,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["pack", "unpack", "interactive_main"]
+__all__ = ["interactive_main", "pack", "unpack"]
 
 _MAIN = "__main__"
 

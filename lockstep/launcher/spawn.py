@@ -18,11 +18,12 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lockstep.launcher.payload import interactive_main, pack, unpack
 
-__all__ = ["spawn", "WorkerError", "find_free_port"]
+__all__ = ["WorkerError", "find_free_port", "spawn"]
 
 # How long survivors get to finish on their own once a peer failed, before being killed.
 _GRACE_AFTER_FAILURE_S = 2.0
@@ -137,7 +138,7 @@ def spawn(
     _refuse_unguarded_call(sys._getframe(1))
     payload = pack(fn, tuple(args))
     method = start_method or os.environ.get("LOCKSTEP_START_METHOD", "spawn")
-    ctx = mp.get_context(method)
+    ctx: Any = mp.get_context(method)
     if method == "forkserver":
         # The server imports torch once; each worker is then a cheap fork of it. The server
         # never runs torch ops, so forking it is safe (no OpenMP pool to inherit).
@@ -178,9 +179,10 @@ def _refuse_unguarded_call(caller: Any) -> None:
         return
     line = caller.f_lineno
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-            if node.lineno <= line <= (node.end_lineno or node.lineno):
-                return
+        if not isinstance(node, ast.If) or "__main__" not in ast.unparse(node.test):
+            continue
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
     raise RuntimeError(
         f"lockstep.spawn is called at the top level of {path} (line {line}) without "
         '`if __name__ == "__main__":`. Every worker imports this script to find the function '
