@@ -223,6 +223,8 @@ except TypeError as exc:
     assert "define it in a module file" in out.stdout
 
 
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
 def test_spawn_unguarded_at_a_scripts_top_level_is_refused(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import lockstep\ndef work(rank):\n    return rank\nlockstep.spawn(work, 2)\n")
