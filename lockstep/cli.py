@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 _RUN_EPILOG = """\
 Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -26,7 +26,7 @@ On one machine every port lockstep opens listens on 127.0.0.1 only."""
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `lockstep --help` does not pay for torch.distributed.elastic.
-    from lockstep.launcher.config import plan_from_args
+    from lockstep.launcher.plan import plan_from_args
     from lockstep.launcher.run import launch
 
     try:
@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
-    from lockstep.launcher.config import add_run_arguments
+    from lockstep.launcher.flags import add_run_arguments
 
     parser = subparsers.add_parser(
         "run",

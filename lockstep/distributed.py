@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from lockstep.env import ProcessInfo, default_backend, detect_process_info
+from lockstep.teardown import quiesce
 
-__all__ = ["init_distributed", "shutdown_distributed", "current_process_info", "pick_device"]
+__all__ = ["current_process_info", "init_distributed", "pick_device", "shutdown_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ def init_distributed(
         info = lockstep.init_distributed()
         model = lockstep.DistributedDataParallel(Net().to(info.device))
     """
+    # Whoever created the group, leave it safely at exit (see lockstep.teardown). Registered
+    # on every call, so it runs before atexit handlers registered earlier (they run last first).
+    atexit.unregister(_leave_at_exit)
+    atexit.register(_leave_at_exit)
     if dist.is_initialized():
         return current_process_info()
     info = detect_process_info()
@@ -120,6 +126,20 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the default group if there is one; safe to call twice."""
+    """Destroy the default group if there is one, and let its threads settle; safe to call twice.
+
+    Needs no other rank (destroying a group is local), so it is also safe after an exception.
+    You rarely need it: a process that called :func:`init_distributed` does it at exit.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    if not quiesce(timeout=2.0):
+        logger.debug("gloo worker threads still busy after teardown")
+
+
+def _leave_at_exit() -> None:
+    """The atexit teardown: runs while the interpreter is whole, also after an exception."""
+    try:
+        shutdown_distributed()
+    except Exception:
+        logger.debug("teardown at exit failed", exc_info=True)

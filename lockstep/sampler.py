@@ -63,6 +63,7 @@ class DistributedSampler(Sampler[int]):
             with repeated indices.
 
     Raises:
+        TypeError: ``num_replicas``, ``rank`` or ``seed`` that is not an int.
         ValueError: ``rank`` outside ``[0, num_replicas)``, an empty dataset, or fewer samples
             than ranks with ``drop_last=True``.
 
@@ -85,6 +86,12 @@ class DistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(
+                    f"{name} must be an int, got {type(value).__name__} {value!r}"
+                    + (f" (pass {name}={int(value)})" if str(value).isdigit() else "")
+                )
         if num_replicas is None or rank is None:
             world, this_rank = _world_from_context()
             num_replicas = world if num_replicas is None else num_replicas

@@ -12,6 +12,7 @@ import os
 import random
 import resource
 import signal
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -387,3 +388,45 @@ def test_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         (tmp_path / ckpt.latest()).name]
     assert ckpt.latest().name != first.name or first.exists()
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_fresh_start_after_damaged_checkpoints_is_kept(tmp_path, keep):
+    """All checkpoints damaged, a fresh start saves a lower step: it must survive keep-K."""
+    model = torch.nn.Linear(2, 2)
+    writer = Checkpointer(tmp_path, keep=3)
+    for path in [writer.save(step, model=model) for step in (10, 20, 30)]:
+        state = path / "state.pt"
+        state.write_bytes(state.read_bytes()[:-10])  # truncated
+    ckpt = Checkpointer(tmp_path, keep=keep)
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
+        assert ckpt.restore(model=model) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = ckpt.save(5, model=model)
+    messages = " ".join(str(w.message) for w in caught)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    if keep == 1:  # the damaged ones are beyond the one kept: deleted like any surplus
+        assert names == ["step_000000000005"]
+    else:  # they would have counted as kept: set aside, each named in a warning
+        for step in (10, 20, 30):
+            assert f"step_{step:012d} is damaged" in messages
+            assert f"moved it aside to {tmp_path / f'.damaged-step_{step:012d}'}" in messages
+        assert names == [
+            ".damaged-step_000000000010", ".damaged-step_000000000020",
+            ".damaged-step_000000000030", "step_000000000005",
+        ]
+    resumed = Checkpointer(tmp_path, keep=keep).restore(model=model)
+    assert resumed is not None and resumed.step == 5 and resumed.path == new
+
+
+def test_keep_counts_only_intact_checkpoints(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, model=model)
+    (tmp_path / "step_000000000003" / "rng-rank00000.pt").unlink()  # damaged
+    with pytest.warns(UserWarning, match=r"step_000000000003 is damaged .* moved it aside"):
+        ckpt.save(4, model=model)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "step_000000000002", "step_000000000004"]

@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "check_length",
     "check_loadable",
     "decode",
     "encode",
@@ -170,6 +171,27 @@ def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:
     return f"cannot write {path}: {exc}; the previous checkpoint is untouched."
 
 
+def check_length(path: Path) -> None:
+    """Check, from its header alone, that ``path`` is present and complete (no checksum).
+
+    Raises:
+        CheckpointError: the file is missing, not a lockstep checkpoint file, or truncated.
+    """
+    try:
+        with path.open("rb") as fh:
+            header = fh.readline(len(_MAGIC) + 64)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    parts = header.rstrip(b"\n").split(b" ")
+    if len(parts) != 3 or parts[0] != _MAGIC or not parts[2].isdigit():
+        raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
+    if size - len(header) != int(parts[2]):
+        raise CheckpointError(
+            f"{path} is truncated: {size - len(header)} of {int(parts[2])} bytes"
+        )
+
+
 def read_verified(path: Path) -> Any:
     """Read, verify and deserialise one file written by :func:`write_atomic` of :func:`encode`."""
     try:
@@ -195,7 +217,7 @@ def load_file(path: Path | str) -> Any:
             raise CheckpointError(f"reading {path} needs `pip install safetensors`") from exc
         try:
             return load_safetensors(str(path), device="cpu")
-        except Exception as exc:  # noqa: BLE001 - missing or damaged: one error type for callers
+        except Exception as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         with path.open("rb") as f:

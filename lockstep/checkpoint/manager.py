@@ -7,6 +7,7 @@ Layout of ``directory``::
         rng-rank00000.pt        each rank's random generator states
         rng-rank00001.pt
     .staging-step_000000001300/ a save in progress (or one cut short: never restored)
+    .damaged-step_000000000900/ a checkpoint found damaged when pruning, set aside
 
 A save writes every file into the staging directory (temporary file, fsync, rename), then all
 ranks meet, then rank 0 renames the staging directory to its final name, so a checkpoint
@@ -21,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from lockstep.checkpoint.io import (
     CheckpointError,
+    check_length,
     check_loadable,
     describe_os_error,
     encode,
@@ -45,7 +48,6 @@ from lockstep.checkpoint.state import (
     object_state,
     restore_rng,
 )
-from lockstep.watchdog import wait_for_peers
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 
@@ -54,6 +56,18 @@ logger = logging.getLogger(__name__)
 _FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)$")
 _STATE_FILE = "state.pt"
+_DAMAGED_PREFIX = ".damaged-"
+_IN_CALL = "lockstep/checkpoint/in-call"  # store key prefix: the directory each rank is in
+_MEETING = "lockstep/checkpoint/meet"  # store key prefix: who arrived at which call
+_POLL_S = 0.2  # at most this long between two looks at the store while waiting
+
+
+def _default_store() -> Any:
+    # torch keeps the default group's store privately; without it only the diagnosis is lost.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _dir_name(step: int) -> str:
@@ -119,8 +133,18 @@ class Checkpointer:
         process_group: Any = None,
         timeout: float = 600.0,
     ) -> None:
-        if not isinstance(keep, int) or keep < 1:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"directory must be a path (str or pathlib.Path), got {type(directory).__name__} "
+                f"{directory!r}"
+            )
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be a positive int (checkpoints kept), got {keep!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(
+                f"timeout must be a number of seconds (int or float), got "
+                f"{type(timeout).__name__} {timeout!r}, e.g. Checkpointer(dir, timeout=600)"
+            )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.directory = Path(directory)
@@ -128,22 +152,94 @@ class Checkpointer:
         self.process_group = process_group
         self.timeout = timedelta(seconds=timeout)
         self._calls = 0
+        # Checkpoint -> its world size, for those written or verified by this object.
+        self._known_intact: dict[Path, int] = {}
 
     def _meet(self, call: str) -> None:
-        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
+        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only).
+
+        A meeting through the store, not a collective, so nothing is left pending when a rank
+        never comes. While waiting, each rank also shows which directory it is in, so that
+        ranks given different directories are told so at once instead of timing out.
+        """
         if self._rank_and_world()[1] == 1:
             return
+        store = _default_store()
+        if store is None:
+            return  # no store to meet in: the collectives that follow are the barrier
         self._calls += 1
         # The path as given, not resolved: machines may mount a shared filesystem differently.
         where = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
-        missing = wait_for_peers(
-            f"checkpoint/{where}/{self._calls}", self.timeout, self.process_group
-        )
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        keys = {r: f"{_MEETING}/{where}/{self._calls}/{r}" for r in ranks}
+        me = dist.get_rank()
+        store.set(f"{_IN_CALL}/{me}", str(self.directory))
+        store.set(keys[me], "1")
+        missing = self._wait(store, keys, call)
+        store.set(f"{_IN_CALL}/{me}", "")
         if missing:
             raise CheckpointError(
-                f"rank {dist.get_rank()} waited {self.timeout.total_seconds():g}s in "
+                f"rank {me} waited {self.timeout.total_seconds():g}s in "
                 f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
                 "and restore() on every rank, not only on rank 0."
+            )
+
+    def _wait(self, store: Any, keys: dict[int, str], call: str) -> list[int]:
+        """Poll until every rank arrived (returns []) or the timeout (returns the missing)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 0.005
+        while True:
+            missing = [r for r, key in keys.items() if not store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            elsewhere = {}
+            for rank in missing:
+                if store.check([f"{_IN_CALL}/{rank}"]):
+                    elsewhere[rank] = store.get(f"{_IN_CALL}/{rank}").decode()
+            elsewhere = {r: d for r, d in elsewhere.items() if d and d != str(self.directory)}
+            if elsewhere:
+                mine = {dist.get_rank(): str(self.directory)}
+                listed = ", ".join(f"rank {r}: {d!r}" for r, d in sorted({**mine, **elsewhere}.items()))
+                # The in-call mark stays: the other ranks see this one's directory too.
+                raise CheckpointError(
+                    f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+                    "rank must pass the same directory (one shared by all of them)."
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S)
+
+    def _check_agreement(self, call: str, step: int | None = None) -> None:
+        """Raise on every rank if the ranks passed different directories or steps."""
+        if self._rank_and_world()[1] == 1:
+            return
+        seen = self._gather((str(self.directory), step))
+        directories = {rank: where for rank, (where, _) in enumerate(seen)}
+        if len(set(directories.values())) > 1:
+            listed = ", ".join(f"rank {r}: {d!r}" for r, d in directories.items())
+            raise CheckpointError(
+                f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+                "rank must pass the same directory (one shared by all of them)."
+            )
+        steps = {rank: s for rank, (_, s) in enumerate(seen)}
+        if len(set(steps.values())) > 1:
+            listed = ", ".join(f"rank {r}: {s}" for r, s in steps.items())
+            raise CheckpointError(
+                f"Checkpointer.{call}: the ranks passed different steps ({listed}). Pass the "
+                "same step on every rank (e.g. the global step, not a per-rank counter)."
+            )
+
+    def _check_directory(self) -> None:
+        """Refuse a directory that is a file, or a single checkpoint (one level too deep)."""
+        where = self.directory
+        if where.exists() and not where.is_dir():
+            raise CheckpointError(
+                f"checkpoint directory {where} is a file, not a directory. Pass the folder that "
+                "holds (or will hold) the step_* checkpoints."
+            )
+        if _NAME.match(where.name) or (where / _STATE_FILE).exists():
+            raise CheckpointError(
+                f"{where} is a single checkpoint, not a checkpoint directory: pass its parent "
+                f"{where.parent} (the folder that holds the step_* checkpoints)."
             )
 
     # -- ranks -------------------------------------------------------------------------------
@@ -211,6 +307,7 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._meet(f"save(step={step})")
+        self._check_agreement(f"save(step={step})", step)
         rank, world = self._rank_and_world()
         final = self.directory / _dir_name(step)
         staging = self.directory / f".staging-{final.name}"
@@ -232,13 +329,14 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
 
         self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        error = self._attempt(lambda: self._publish(staging, final))[1] if rank == 0 else None
+        error = self._attempt(lambda: self._publish(staging, final, world))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:
             logger.info("saved checkpoint %s", final)
         return final
 
     def _prepare(self, staging: Path) -> None:
+        self._check_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".staging-*"):
             shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a crash
@@ -263,7 +361,7 @@ class Checkpointer:
             check_loadable(state, f"{name}.state_dict()")
         write_atomic(staging / _STATE_FILE, encode(payload))
 
-    def _publish(self, staging: Path, final: Path) -> None:
+    def _publish(self, staging: Path, final: Path, world: int) -> None:
         fsync_dir(staging)
         if final.exists():
             # Re-saving a step (its earlier copy was damaged): move it aside, never overwrite.
@@ -274,8 +372,59 @@ class Checkpointer:
         else:
             os.replace(staging, final)
         fsync_dir(self.directory)
-        for old in self._complete_dirs()[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._known_intact[final] = world
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        """Keep ``newest`` and the next ``keep - 1`` intact checkpoints, newest step first.
+
+        The checkpoint just written is never deleted, whatever its step (a fresh start after
+        damaged checkpoints saves a lower step than theirs). Damaged checkpoints do not count as
+        kept: they are moved aside with a warning naming them.
+        """
+        kept = 1
+        for path in self._complete_dirs():
+            if path == newest:
+                continue
+            if kept >= self.keep:
+                shutil.rmtree(path, ignore_errors=True)
+            elif self._is_intact(path):
+                kept += 1
+            else:
+                self._set_aside(path)
+
+    def _is_intact(self, path: Path) -> bool:
+        """Whether ``path`` reads back intact.
+
+        Each checkpoint is read in full (checksums) at most once per process; one this object
+        wrote or already verified gets a cheap check instead: every file present, none truncated.
+        """
+        try:
+            world = self._known_intact.get(path)
+            if world is None:
+                self._verify(path)
+            else:
+                for name in [_STATE_FILE, *(_rng_file(rank) for rank in range(world))]:
+                    check_length(path / name)
+        except CheckpointError:
+            self._known_intact.pop(path, None)
+            return False
+        return True
+
+    def _set_aside(self, path: Path) -> None:
+        aside = self.directory / f"{_DAMAGED_PREFIX}{path.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(path, aside)
+        except OSError as exc:  # pruning must not fail a save that succeeded
+            logger.warning("could not move damaged checkpoint %s aside: %s", path, exc)
+            return
+        message = (
+            f"checkpoint {path} is damaged and cannot be restored: moved it aside to {aside} "
+            "so that it no longer counts among the kept ones. Delete it when you no longer need it."
+        )
+        warnings.warn(message, stacklevel=4)
+        logger.warning(message)
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -298,6 +447,7 @@ class Checkpointer:
             raise CheckpointError(f"{path / _STATE_FILE} records no valid world_size ({world!r})")
         for rank in range(world):
             read_verified(path / _rng_file(rank))
+        self._known_intact[path] = world
         return state
 
     def latest(self) -> Path | None:
@@ -317,6 +467,10 @@ class Checkpointer:
                 logger.warning("skipping damaged checkpoint %s: %s", path, exc)
         return None
 
+    def _find(self) -> tuple[Path, dict[str, Any]] | None:
+        self._check_directory()
+        return self._newest_intact()
+
     def restore(self, **objects: Any) -> Restored | None:
         """Load the newest intact checkpoint into ``objects``; call on every rank.
 
@@ -332,8 +486,9 @@ class Checkpointer:
                 model's weights (missing/unexpected keys listed), or could not be read.
         """
         self._meet("restore()")
+        self._check_agreement("restore()")
         rank, world = self._rank_and_world()
-        found, error = self._attempt(self._newest_intact) if rank == 0 else (None, None)
+        found, error = self._attempt(self._find) if rank == 0 else (None, None)
         choice, error = self._gather((found[0].name if found else None, error))[0]
         if error:
             raise CheckpointError(f"looking for a checkpoint in {self.directory} failed: {error}")

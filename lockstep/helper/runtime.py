@@ -99,7 +99,17 @@ class Runtime:
 
         Returns:
             The DDP-wrapped model, or with a world of one the model itself.
+
+        Raises:
+            TypeError: ``model`` is not a ``torch.nn.Module``.
         """
+        if not isinstance(model, torch.nn.Module):
+            what = getattr(model, "__qualname__", None) or type(model).__name__
+            raise TypeError(
+                f"Runtime.wrap expects a torch.nn.Module, got {type(model).__name__} {what!r}. "
+                "Pass the model object (e.g. rt.wrap(Net())), not a function or class that "
+                "builds it."
+            )
         model = model.to(self.device)
         if self.world_size == 1:
             return model

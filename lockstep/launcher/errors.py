@@ -104,13 +104,18 @@ def _from_process_failure(rank: int, pf: ProcessFailure, log_dir: str | None) ->
         callstack = str(message.get("extraInfo", {}).get("py_callstack", ""))
     else:
         summary, callstack = str(message), ""
+    exitcode = pf.exitcode
     if callstack:
         trace = trim_traceback(callstack)
+        if exitcode == -signal.SIGTERM:
+            # It had raised and recorded its exception when the launcher, stopping the job
+            # because another rank failed, terminated it on its way out: it failed on its own.
+            exitcode = 1
     else:
         # No error file: killed by a signal, or exited without a Python exception.
         summary = ""
         trace = _stderr_tail(log_dir, pf.local_rank)
-    return Failure(rank, pf.local_rank, pf.pid, pf.exitcode, pf.timestamp, summary, trace)
+    return Failure(rank, pf.local_rank, pf.pid, exitcode, pf.timestamp, summary, trace)
 
 
 def failures_from(error: ChildFailedError, log_dir: str | None = None) -> list[Failure]:

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
-from lockstep.launcher.config import LaunchPlan, to_launch_config
+from lockstep.launcher.plan import LaunchPlan, to_launch_config
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
 from lockstep.launcher.output import OutputRelay
 from lockstep.launcher.rendezvous import register_backends

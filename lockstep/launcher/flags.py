@@ -1,0 +1,65 @@
+"""``lockstep run``'s command-line flags: torchrun's, in both spellings, with their defaults.
+
+Only the parser lives here; what the values mean and whether they can work is
+:mod:`~lockstep.launcher.plan`'s business.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lockstep.launcher.rendezvous import LOOPBACK_HOST
+
+__all__ = ["add_run_arguments"]
+
+# torchrun's flags: (name, argparse options). Each is accepted as --a-b and --a_b.
+_FLAGS: tuple[tuple[str, dict], ...] = (
+    ("nproc-per-node", {"default": "1", "metavar": "N|auto",
+                            "help": "workers on this machine; auto: one per GPU, else 2"}),
+    ("nnodes", {"default": "1", "metavar": "N|MIN:MAX", "help": "number of machines in the job"}),
+    ("node-rank", {"type": int, "default": 0, "metavar": "R",
+                       "help": "this machine's rank (static rendezvous; c10d numbers machines)"}),
+    ("rdzv-endpoint", {"default": "", "metavar": "HOST:PORT",
+                           "help": "where the machines meet; needed with --nnodes > 1"}),
+    ("rdzv-backend", {"default": "c10d", "choices": ["c10d", "static"], "help": "rendezvous backend"}),
+    ("rdzv-id", {"default": "none", "help": "job id shared by every machine of the job"}),
+    ("rdzv-conf", {"default": "", "metavar": "K=V,...", "help": "extra rendezvous settings"}),
+    ("master-addr", {"default": LOOPBACK_HOST, "help": "static rendezvous host"}),
+    ("master-port", {"type": int, "default": None, "help": "static rendezvous port"}),
+    ("max-restarts", {"type": int, "default": 0, "metavar": "K",
+                          "help": "restart every worker up to K times after a failure"}),
+    ("monitor-interval", {"type": float, "default": 0.1, "metavar": "SECONDS",
+                              "help": "how often the launcher checks on its workers"}),
+    ("local-addr", {"default": None, "help": "this machine's address as other machines reach it"}),
+    ("log-dir", {"default": None, "help": "keep every worker's stdout/stderr/error files here"}),
+    ("local-ranks-filter", {"default": "", "metavar": "R,...",
+                                "help": "show only these local ranks' output on the console"}),
+)  # fmt: skip
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add torchrun's flags (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings)."""
+    for name, options in _FLAGS:
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('-', '_')}"])
+        parser.add_argument(*spellings, **options)
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="a single-machine job on loopback (what one machine gets anyway)",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run TRAINING_SCRIPT as a module, like python -m",
+    )
+    parser.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run TRAINING_SCRIPT as an executable, not with Python",
+    )
+    parser.add_argument("training_script", help="the script every worker runs")
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script"
+    )
