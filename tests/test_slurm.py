@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lockstep.multiproc import find_free_port
+from lockstep.launcher.spawn import find_free_port
 
 _WORKER = """
 import json, torch, torch.distributed as dist, lockstep

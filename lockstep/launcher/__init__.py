@@ -24,7 +24,7 @@ from typing import Any
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "LaunchPlan": "lockstep.launcher.config",
+    "LaunchPlan": "lockstep.launcher.plan",
     "launch": "lockstep.launcher.run",
 }
 
