@@ -26,9 +26,11 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "LaunchPlan": "lockstep.launcher.plan",
     "launch": "lockstep.launcher.run",
+    "spawn": "lockstep.launcher.spawn",
+    "WorkerError": "lockstep.launcher.spawn",
 }
 
-__all__ = ["LaunchPlan", "launch"]
+__all__ = ["LaunchPlan", "WorkerError", "launch", "spawn"]
 
 
 def __getattr__(name: str) -> Any:
