@@ -19,7 +19,7 @@ __all__ = ["Straggler", "ExposedBucket", "Attribution", "attribute", "straggler_
            "critical_steps", "WORK_PHASES", "STRAGGLER_SHARE", "STRAGGLER_STEPS"]
 
 WORK_PHASES = ("data", "forward", "backward", "optimizer", "other")
-STRAGGLER_SHARE = 0.10  # named when the others wait at least this share of the step for it
+STRAGGLER_SHARE = 0.10  # named when slower on average by this share of the step in a phase
 STRAGGLER_STEPS = 0.6  # ...and it is the slowest rank in at least this share of the steps
 
 
@@ -56,11 +56,12 @@ class ExposedBucket:
     exposed_s: float
     allreduce_s: float
     ready_s: float  # after backward starts
+    ready_share: float  # the same, as a share of backward compute
     last_param: str | None  # the parameter whose gradient made it ready
     params: list[str] = field(default_factory=list)
 
-    def sentence(self, backward_s: float) -> str:
-        when = f"{self.ready_s / backward_s:.0%} into backward" if backward_s > 0 else "late"
+    def sentence(self) -> str:
+        when = f"{self.ready_share:.0%} into backward"
         who = f", waiting for {self.last_param!r} whose gradient arrives {when}" \
             if self.last_param else ""
         return (f"bucket {self.index} ({self.bytes / 2**20:.2f} MB{who}) leaves "
@@ -78,6 +79,9 @@ class Attribution:
     allreduce_s: float  # sum of the buckets' all-reduce times per step
     hidden_share: float  # share of all-reduce time that backward hid
     busbw: float  # bytes/s over all buckets (bus-bandwidth convention)
+    # Mean seconds per phase of the ranks that waited (all but each step's slowest): the
+    # work every rank does, without the straggler's excess; the speedup account starts here.
+    baseline: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,7 +109,9 @@ def _straggler(matrix: list[list[dict[str, float]]], step_s: float) -> Straggler
         for p in WORK_PHASES
     }
     phase = max(excess, key=lambda p: excess[p])
-    named = share >= STRAGGLER_STEPS and waited >= STRAGGLER_SHARE * step_s
+    # Systematic, not the per-step maximum: noise makes some rank the slowest in every step,
+    # but only a real straggler is slower on average, and by a share of the step.
+    named = share >= STRAGGLER_STEPS and excess[phase] >= STRAGGLER_SHARE * step_s
     return Straggler(top if named else None, phase if named else None, waited,
                      excess[phase] if named else 0.0, share, step_s)
 
@@ -124,7 +130,8 @@ def attribute(profile: dict[str, Any], matrix: list[list[dict[str, float]]]) -> 
     exposed = None
     if worst is not None and worst["exposed"] > 0:
         exposed = ExposedBucket(worst["index"], worst["bytes"], worst["exposed"],
-                                worst["allreduce"], worst["ready"], worst["last_param"],
+                                worst["allreduce"], worst["ready"], worst["ready_share"],
+                                worst["last_param"],
                                 worst["params"])
     total_time = sum(b["allreduce"] for b in buckets)
     total_bytes = sum(b["bytes"] for b in buckets)
@@ -135,8 +142,12 @@ def attribute(profile: dict[str, Any], matrix: list[list[dict[str, float]]]) -> 
     critical_exposed = statistics.fmean(matrix[s][k]["exposed_comm"] for k, s in enumerate(crit)) \
         if crit else phases.get("exposed_comm", 0.0)
     hidden = max(0.0, 1 - critical_exposed / total_time) if total_time > 0 else 1.0
-    return Attribution(straggler, critical_exposed, exposed, total_time, hidden, bus)
+    return Attribution(straggler, critical_exposed, exposed, total_time, hidden, bus,
+                       _baseline(matrix, crit) if len(matrix) > 1 else dict(phases))
 
 
-def phase_table(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {p: statistics.fmean(r[p] for r in rows) for p in (*PHASES, "step")}
+def _baseline(matrix: list[list[dict[str, float]]], crit: list[int]) -> dict[str, float]:
+    ranks = range(len(matrix))
+    return {p: statistics.fmean(statistics.fmean(matrix[r][k][p] for r in ranks if r != s)
+                                for k, s in enumerate(crit)) for p in (*PHASES, "step")}
+

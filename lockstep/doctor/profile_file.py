@@ -90,6 +90,9 @@ def bucket_stats(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for ev, off, bwd in seen:
                 if ev["ready"] is not None:
                     a.setdefault("ready", []).append(ev["ready"] - bwd[0])
+                    span = bwd[1] - bwd[0]
+                    if span > 0:
+                        a.setdefault("ready_share", []).append((ev["ready"] - bwd[0]) / span)
                 if ev["last_param"]:
                     names = last.setdefault(index, {})
                     names[ev["last_param"]] = names.get(ev["last_param"], 0) + 1
@@ -105,7 +108,8 @@ def bucket_stats(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         names = last.get(index, {})
         out.append({
             "index": index, "bytes": info["bytes"], "params": info["params"],
-            "ready": _mean(a.get("ready")), "allreduce": seconds,
+            "ready": _mean(a.get("ready")), "ready_share": _mean(a.get("ready_share")),
+            "allreduce": seconds,
             "busbw": busbw(info["bytes"], seconds, world),
             "exposed": _mean(a.get("exposed")),
             "last_param": max(names, key=lambda n: names[n]) if names else None,
