@@ -57,13 +57,12 @@ class Account:
             f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
             f"{self.step_n * 1e3:.1f} ms (same batch per worker)",
             f"ideal {self.ideal:.2f}x -> measured {self.measured:.2f}x",
-            f"  {'where the speedup went':<86} {'ms/step':>8} {'speedup':>8}",
+            f"  {'speedup':>8} {'ms/step':>8}  where it went",
         ]
         for loss in [*self.losses, self.unexplained]:
-            lines.append(f"  {loss.label:<86.86} {loss.seconds * 1e3:>8.1f} "
-                         f"{-loss.speedup:>+7.2f}x")
+            lines.append(f"  {-loss.speedup:>+7.2f}x {loss.seconds * 1e3:>8.1f}  {loss.label}")
         total = self.ideal - sum(x.speedup for x in [*self.losses, self.unexplained])
-        lines.append(f"  {'= measured':<86} {'':>8} {total:>7.2f}x")
+        lines.append(f"  {total:>7.2f}x {'':>8}  = measured speedup")
         if self.actions:
             lines.append("what to try first:")
             for i, act in enumerate(self.actions, 1):
@@ -116,9 +115,9 @@ def speedup_account(one: dict[str, Any], many: dict[str, Any]) -> Account:
 
 
 def _bucket_text(bucket: dict[str, Any], profile: dict[str, Any]) -> str:
-    when = f" ({bucket['ready_share']:.0%} into backward)"
-    who = f", ready when {bucket['last_param']} arrives{when}" if bucket["last_param"] else ""
-    return f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.1f} MB{who})"
+    who = (f", ready when {bucket['last_param']} arrives {bucket['ready_share']:.0%} into "
+           "backward") if bucket["last_param"] else ""
+    return f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.2f} MB{who})"
 
 
 def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Action]:

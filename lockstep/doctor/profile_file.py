@@ -14,7 +14,8 @@ from typing import Any
 
 from lockstep.doctor.records import PHASES, phases_of
 
-__all__ = ["load_ranks", "step_matrix", "bucket_stats", "build_profile", "busbw", "TIMELINE_STEPS"]
+__all__ = ["load_ranks", "step_matrix", "bucket_stats", "build_profile", "busbw", "timeline",
+           "TIMELINE_STEPS"]
 
 TIMELINE_STEPS = 4  # steps per rank kept in profile.json for the timeline and the trace
 
@@ -61,10 +62,12 @@ def busbw(nbytes: float, seconds: float, world_size: int) -> float:
     return nbytes / seconds * 2 * (world_size - 1) / world_size
 
 
-def bucket_stats(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
+                 ) -> list[dict[str, Any]]:
     """Per bucket: size, parameters, mean ready time, all-reduce time, bus bandwidth, exposure.
 
-    The all-reduce of one step lasts from the last rank's launch (a collective cannot progress
+    Exposure is read on each step's ``critical`` rank (the slowest one): the others' waits
+    include waiting for it, which is not communication. The all-reduce of one step lasts from the last rank's launch (a collective cannot progress
     before that) to the last rank's completion; the rank that launched last measures the wire.
     """
     layout = {b["index"]: b for b in ranks[0].get("buckets", [])}
@@ -81,7 +84,7 @@ def bucket_stats(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             previous = bwd[1]  # exposure starts when backward compute ends
             for ev in step["buckets"]:
                 per_bucket.setdefault(ev["index"], []).append((ev, offsets[r], bwd))
-                if ev["waited"] is not None:
+                if ev["waited"] is not None and (critical is None or critical[k] == r):
                     exposed = max(0.0, ev["waited"] - max(previous, bwd[1]))
                     acc.setdefault(ev["index"], {}).setdefault("exposed", []).append(exposed)
                     previous = max(previous, ev["waited"])
@@ -136,16 +139,17 @@ def _phase_means(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``profile.json`` object for one run (format and extra fields: see the docs)."""
-    from lockstep.doctor.attribution import attribute
+    from lockstep.doctor.attribution import attribute, critical_steps
 
     first = ranks[0]
     matrix = step_matrix(ranks)
+    critical = critical_steps(matrix) if matrix and matrix[0] else None
     per_rank = [
         {"rank": r["rank"], "host": r["host"], "phases": _phase_means(rows)}
         for r, rows in zip(ranks, matrix)
     ]
     everything = [row for rows in matrix for row in rows]
-    buckets = bucket_stats(ranks) if first["world_size"] > 1 else []
+    buckets = bucket_stats(ranks, critical) if first["world_size"] > 1 else []
     profile: dict[str, Any] = {
         "format": "lockstep-profile", "version": 1, "world_size": first["world_size"],
         "backend": first["backend"], "device": first["device"], "torch": first["torch"],
@@ -156,14 +160,14 @@ def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     if first.get("device_name"):
         profile["device_name"] = first["device_name"]
     profile["attribution"] = attribute(profile, matrix).to_json()
-    profile["timeline"] = _timeline(ranks)
+    profile["timeline"] = timeline(ranks, TIMELINE_STEPS)
     return profile
 
 
-def _timeline(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The last few aligned steps of every rank, on one clock, seconds from the first."""
+def timeline(ranks: list[dict[str, Any]], last: int | None = None) -> dict[str, Any]:
+    """The ``last`` aligned steps (all: None) of every rank on one clock, seconds from the first."""
     steps, offsets = aligned_steps(ranks), _offsets(ranks)
-    chosen = [s[-TIMELINE_STEPS:] for s in steps]
+    chosen = [s[-last:] if last else s for s in steps]
     if not chosen or not chosen[0]:
         return {"ranks": []}
     zero = min(s[0]["begin"] + off for s, off in zip(chosen, offsets))
