@@ -208,3 +208,67 @@ def test_late_large_gradient_is_named_as_exposed(runs, world):
     assert "0.weight" in bucket["params"] and bucket["bytes"] >= 2048 * 1024 * 4
     acc = speedup_account(runs[1]["late"], prof)
     assert f"bucket {bucket['index']}" in acc.table() and "0.weight" in acc.table()
+
+
+# ---- profiling in the ways people train -----------------------------------------------------
+def _extras(rank: int, folder: str) -> dict:
+    lockstep.init_distributed()
+    out: dict = {}
+    # torch.compile of the wrapped model: no graph break from profiling, steps still counted.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ddp = lockstep.DistributedDataParallel(_mlp())
+    prof = ddp.enable_profiling(warmup=0)
+    compiled = torch.compile(ddp, backend="eager")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for _ in range(3):
+        compiled(torch.randn(8, 128)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    out["compiled_steps"] = prof.step_count
+    # no_sync accumulation: one step per optimizer step, every backward timed.
+    ddp = lockstep.DistributedDataParallel(_mlp())
+    prof = ddp.enable_profiling(warmup=0, gather_every=2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for _ in range(6):
+        with ddp.no_sync():
+            ddp(torch.randn(8, 128)).sum().backward()
+        ddp(torch.randn(8, 128)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    out["steps"], out["timings"] = prof.step_count, len(ddp.step_timings)
+    out["forwards"] = [len(s.forwards) for s in prof.steps]
+    out["latest_ranks"] = prof.latest_ranks  # the gather of step 2, read at step 4
+    # Profiling does not change the gradients: the same step under torch's DDP.
+    model = _mlp()
+    ours = lockstep.DistributedDataParallel(model)
+    ours.enable_profiling()
+    theirs = nn.parallel.DistributedDataParallel(_mlp())
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(rank))
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    out["grad_diff"] = max((a.grad - b.grad).abs().max().item()
+                           for a, b in zip(ours.parameters(), theirs.parameters()))
+    # lockstep.profile: one gather on leaving, rank 0 writes profile.json.
+    opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+    with lockstep.profile(ours, out_dir=folder, warmup=1) as rec:
+        for _ in range(4):
+            ours(x).sum().backward()
+            opt.step()
+    out["profile_steps"], out["profiling_after"] = rec.step_count, ours.profiler
+    return out
+
+
+@pytest.mark.multirank
+def test_compile_no_sync_gathers_and_the_context_manager(tmp_path):
+    import json
+
+    for r in lockstep.spawn(_extras, 2, (str(tmp_path),), timeout=240):
+        assert r["graph_breaks"] == 0 and r["compiled_steps"] == 3
+        assert r["steps"] == 6 and r["timings"] == 12 and r["forwards"] == [2] * 6
+        assert len(r["latest_ranks"]) == 2 and r["latest_ranks"][0]["step"] > 0
+        assert r["grad_diff"] < 1e-5
+        assert r["profile_steps"] == 4 and r["profiling_after"] is None
+    written = json.loads((tmp_path / "profile.json").read_text())
+    assert written["world_size"] == 2 and written["steps"] == 3

@@ -96,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
         self._clock: Recorder | None = None
+        self._profile_hooks: list[Any] = []
         self._uneven: UnevenInputs | None = None
         named = _unique_trainable(module)
         if not named:
@@ -143,13 +144,9 @@ class DistributedDataParallel(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        reducer, clock = self._reducer, self._clock
-        if reducer is None and clock is None and self.device_ids is None and self._uneven is None:
+        reducer = self._reducer
+        if reducer is None and self.device_ids is None and self._uneven is None:
             return self.module(*inputs, **kwargs)
-        # Under torch.compile the marks are left out of the graph (no graph break).
-        timed = clock is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if timed:
-            clock.forward_started(inputs)  # type: ignore[union-attr]
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(
                 self.device_ids[0], int) else torch.device(self.device_ids[0])
@@ -159,17 +156,30 @@ class DistributedDataParallel(nn.Module):
         if self._uneven is not None:
             src = self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
         self._sync_buffers(src)
-        if timed:
-            clock.forward_synced()  # type: ignore[union-attr]
+        if self._clock is not None and grad_enabled and not torch.compiler.is_compiling():
+            self._clock.forward_synced()
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync)
-        if timed:
-            clock.forward_ended()  # type: ignore[union-attr]
-            ends_itself = reducer is None or not self.require_backward_grad_sync
-            _hook_first_tensor(output, clock, end_on_backward=ends_itself,  # type: ignore[arg-type]
-                               synced=reducer is None)
         return output
+
+    # Profiling marks never enter a compiled graph (a clock read would break it): under
+    # torch.compile the forward goes unmarked and backward is marked by the reducer's hooks.
+    def _profile_forward_pre(self, module: nn.Module, inputs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if self._clock is not None and torch.is_grad_enabled():
+            self._clock.forward_started(inputs)
+
+    def _profile_forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        clock = self._clock
+        if clock is not None and torch.is_grad_enabled():
+            clock.forward_ended()
+            ends_itself = self._reducer is None or not self.require_backward_grad_sync
+            _hook_first_tensor(output, clock, end_on_backward=ends_itself,
+                               synced=self._reducer is None)
 
     def _sync_buffers(self, src: int) -> None:
         """Broadcast buffers from global rank ``src`` (rank 0, or an active rank under join)."""
@@ -278,7 +288,9 @@ class DistributedDataParallel(nn.Module):
         """
         if self._clock is not None:
             self._clock.close()
-        self._clock = None
+            for handle in self._profile_hooks:
+                handle.remove()
+        self._clock, self._profile_hooks = None, []
         if enabled:
             params = [p for p in self.module.parameters() if p.requires_grad]
             group = self.process_group if self.world_size > 1 else None
@@ -286,6 +298,8 @@ class DistributedDataParallel(nn.Module):
                 self._device, params, group, self._bucket_layout, _model_info(self.module),
                 out_dir, max_steps, warmup, gather_every,
             )
+            self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
+                                   self.register_forward_hook(self._profile_forward_post)]
         if self._reducer is not None:
             self._reducer.clock = self._clock
         return self._clock

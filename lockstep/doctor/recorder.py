@@ -122,7 +122,8 @@ class Recorder:
 
     def forward_synced(self) -> None:
         """The forward's collectives (buffer broadcast) are done; the module runs next."""
-        self._fwd[1] = self.stamps.now()
+        if self._fwd:
+            self._fwd[1] = self.stamps.now()
 
     def forward_ended(self) -> None:
         self._fwd[2] = self.stamps.now()
@@ -153,7 +154,8 @@ class Recorder:
         self._cur.backwards.append(bwd)
         self._cur.buckets.extend(self._bucket_events[i] for i in sorted(self._bucket_events))
         self._bucket_events = {}
-        self._iterations.append((self._fwd[0], self._fwd[2], bwd[0], bwd[1], bwd[2]))
+        fwd = self._fwd or [bwd[0]] * 3  # no forward marked (a forward outside the wrapper)
+        self._iterations.append((fwd[0], fwd[2], bwd[0], bwd[1], bwd[2]))
         self._cur.synced = self._cur.synced or synced
         self._bwd = None
 
@@ -263,7 +265,8 @@ class Recorder:
         if dist.get_backend(self.group) == "nccl":
             local = local.to(self.device)
         table = torch.empty(self.world_size * len(keys), dtype=local.dtype, device=local.device)
-        work = dist.all_gather_into_tensor(table, local, group=self.group, async_op=True)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(table, local, group=self.group, async_op=True)
         self._gather = (work, table)
 
     def _log_ranks(self, rows: list[list[float]]) -> None:
