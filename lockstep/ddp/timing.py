@@ -9,4 +9,4 @@ from __future__ import annotations
 from lockstep.doctor.recorder import Recorder as StepClock
 from lockstep.doctor.records import StepTiming
 
-__all__ = ["StepTiming", "StepClock"]
+__all__ = ["StepClock", "StepTiming"]

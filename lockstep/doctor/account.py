@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Loss", "Action", "Account", "speedup_account"]
+__all__ = ["Account", "Action", "Loss", "speedup_account"]
 
 _MB = 2**20
 
@@ -54,8 +54,8 @@ class Account:
         """The account as printed by ``lockstep doctor``."""
         n = self.world_size
         lines = [
-            f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
-            f"{self.step_n * 1e3:.1f} ms (same batch per worker)",
+            (f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
+             f"{self.step_n * 1e3:.1f} ms (same batch per worker)"),
             f"ideal {self.ideal:.2f}x -> measured {self.measured:.2f}x",
             f"  {'speedup':>8} {'ms/step':>8}  where it went",
         ]

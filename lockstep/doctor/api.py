@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
 from lockstep.doctor.profile_file import build_profile
 from lockstep.doctor.recorder import Recorder
 
-__all__ = ["profile", "gather_report"]
+__all__ = ["gather_report", "profile"]
 
 
 def gather_report(recorder: Recorder) -> dict[str, Any]:

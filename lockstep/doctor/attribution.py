@@ -15,8 +15,17 @@ from typing import Any
 
 from lockstep.doctor.records import PHASES
 
-__all__ = ["Straggler", "ExposedBucket", "Attribution", "attribute", "straggler_from_means",
-           "critical_steps", "WORK_PHASES", "STRAGGLER_SHARE", "STRAGGLER_STEPS"]
+__all__ = [
+    "STRAGGLER_SHARE",
+    "STRAGGLER_STEPS",
+    "WORK_PHASES",
+    "Attribution",
+    "ExposedBucket",
+    "Straggler",
+    "attribute",
+    "critical_steps",
+    "straggler_from_means",
+]
 
 WORK_PHASES = ("data", "forward", "backward", "optimizer", "other")
 STRAGGLER_SHARE = 0.10  # named when slower on average by this share of the step in a phase

@@ -21,7 +21,7 @@ from lockstep.doctor.env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
 from lockstep.doctor.profile_file import build_profile, load_ranks, timeline
 from lockstep.doctor.render import plot_timeline, write_trace
 
-__all__ = ["add_doctor_arguments", "run_doctor", "findings_text"]
+__all__ = ["add_doctor_arguments", "findings_text", "run_doctor"]
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:

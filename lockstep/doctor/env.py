@@ -15,8 +15,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["PROFILE_ENV", "STEPS_ENV", "WARMUP_ENV", "EVERY_ENV", "profiling_requested",
-           "settings_from_env"]
+__all__ = [
+    "EVERY_ENV",
+    "PROFILE_ENV",
+    "STEPS_ENV",
+    "WARMUP_ENV",
+    "profiling_requested",
+    "settings_from_env",
+]
 
 PROFILE_ENV = "LOCKSTEP_PROFILE"
 STEPS_ENV = "LOCKSTEP_PROFILE_STEPS"

@@ -14,8 +14,15 @@ from typing import Any
 
 from lockstep.doctor.records import PHASES, phases_of
 
-__all__ = ["load_ranks", "step_matrix", "bucket_stats", "build_profile", "busbw", "timeline",
-           "TIMELINE_STEPS"]
+__all__ = [
+    "TIMELINE_STEPS",
+    "bucket_stats",
+    "build_profile",
+    "busbw",
+    "load_ranks",
+    "step_matrix",
+    "timeline",
+]
 
 TIMELINE_STEPS = 4  # steps per rank kept in profile.json for the timeline and the trace
 
@@ -100,7 +107,8 @@ def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
                     names = last.setdefault(index, {})
                     names[ev["last_param"]] = names.get(ev["last_param"], 0) + 1
             launches = [ev["launch"] + off for ev, off, _ in seen if ev["launch"] is not None]
-            dones = [_done(ev) + off for ev, off, _ in seen if _done(ev) is not None]
+            finished = [(_done(ev), off) for ev, off, _ in seen]
+            dones = [d + off for d, off in finished if d is not None]
             if len(launches) == len(seen) == len(dones):
                 a.setdefault("allreduce", []).append(max(0.0, max(dones) - max(launches)))
     world = ranks[0]["world_size"]

@@ -19,8 +19,9 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,13 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from lockstep.doctor.records import PHASES, BucketEvents, StepRecord, StepTiming, phases_of
+from lockstep.doctor.records import (
+    PHASES,
+    BucketEvents,
+    StepRecord,
+    StepTiming,
+    phases_of,
+)
 from lockstep.doctor.stamps import Stamp, Stamps
 
 __all__ = ["Recorder"]
@@ -79,7 +86,7 @@ class Recorder:
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
-        self.layout = layout or (lambda: [])
+        self.layout = layout or (list)
         self.model_info = model_info or {}
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.max_steps, self.warmup, self.gather_every = max_steps, warmup, gather_every
@@ -196,7 +203,7 @@ class Recorder:
         if self._opt_start is None or not self._is_ours(optimizer):
             return
         end = self.stamps.now()
-        self._cur.optimizer.append([self._opt_start, end])
+        self._cur.optimizer.append([self._opt_start, end])  # type: ignore[list-item]
         self._opt_start = None
         self._optimizer_seen = True
         if self._cur.synced:

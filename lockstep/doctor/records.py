@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASES", "StepTiming", "StepRecord", "BucketEvents", "phases_of"]
+__all__ = ["PHASES", "BucketEvents", "StepRecord", "StepTiming", "phases_of"]
 
 # Order matters: the timeline and the account list phases in this order.
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "other")

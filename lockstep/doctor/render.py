@@ -8,10 +8,11 @@ for every step): per rank, steps with their spans on one clock. The trace opens 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["spans", "write_trace", "plot_timeline", "COLORS"]
+__all__ = ["COLORS", "plot_timeline", "spans", "write_trace"]
 
 COLORS = {
     "data": "#b0b0b0", "forward": "#4c72b0", "backward": "#55a868", "exposed wait": "#c44e52",

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from lockstep.doctor.env import profiling_requested
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, shutdown_distributed
+from lockstep.doctor.env import profiling_requested
 from lockstep.env import ProcessInfo
 from lockstep.helper.collectives import Metric, all_reduce_metrics, gather_for_eval
 from lockstep.helper.loader import ShardedLoader
