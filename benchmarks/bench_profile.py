@@ -6,8 +6,10 @@ Usage::
     python benchmarks/bench_profile.py --quick
 
 Both variants run in the same processes on the same model: blocks of steps alternate between
-profiling off and on (the order flips every round), and the table reports the median step time of
-each over every block, and their ratio. The models and batches are those of bench_ddp.py.
+profiling off and on (the order flips every round), and the table reports the median wall time and
+CPU time (this process, all threads) per step of each, and their ratios. The models and batches
+are those of bench_ddp.py. A second table times the recorder's own calls for one step in a loop,
+which a busy machine disturbs far less than a step of training.
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ def run(rank: int, model_name: str, rounds: int, block: int, warmup: int) -> dic
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = make_batch(kind, BATCH[model_name], info.device)
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss_of(kind, model(x), y).backward()
         opt.step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     for _ in range(warmup):
         step()
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     for r in range(rounds):
         for variant in (("off", "on") if r % 2 == 0 else ("on", "off")):
             model.enable_profiling(variant == "on", warmup=0)
@@ -51,7 +53,44 @@ def run(rank: int, model_name: str, rounds: int, block: int, warmup: int) -> dic
             times[variant].extend(step() for _ in range(block))
     model.enable_profiling(False)
     dist.barrier()
-    return {v: statistics.median(t) for v, t in times.items()}
+    return {f"{v}_{what}": statistics.median(t[i] for t in ts)
+            for v, ts in times.items() for i, what in enumerate(("wall", "cpu"))}
+
+
+def recorder_cost(buckets: int, steps: int = 3000) -> float:
+    """Seconds per step of the recorder's calls alone (CPU, ``buckets`` buckets), by difference."""
+    from lockstep.doctor.recorder import Recorder
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.1)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+    x = torch.zeros(4, 4)
+
+    def loop(rec: Recorder | None) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            if rec is not None:
+                rec.forward_started((x,))
+                rec.forward_synced()
+                rec.forward_ended()
+                rec.backward_started()
+                for b in range(buckets):
+                    rec.bucket_ready(b, "w")
+                    rec.bucket_launched(b)
+                    rec.watch_bucket(b, done)
+                rec.backward_compute_ended()
+                for b in range(buckets):
+                    rec.bucket_waited(b)
+                rec.backward_ended()
+            opt.step()
+        return (time.perf_counter() - start) / steps
+
+    base = min(loop(None) for _ in range(3))
+    rec = Recorder(torch.device("cpu"), [param], warmup=0)
+    on = min(loop(rec) for _ in range(3))
+    rec.close()
+    return on - base
 
 
 def main() -> None:
@@ -65,13 +104,19 @@ def main() -> None:
     rounds, block = (3, 5) if args.quick else (args.rounds, args.block)
     print(f"world {args.world}, gloo on CPU, one thread per rank; {rounds} rounds x {block} "
           "steps per variant, medians (mean over ranks)\n")
-    print("| model | step, profiling off (ms) | step, profiling on (ms) | on / off |")
-    print("|---|---|---|---|")
+    print("| model | wall off (ms) | wall on (ms) | wall on/off | CPU off (ms) | CPU on (ms) "
+          "| CPU on/off |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.models:
         results = lockstep.spawn(run, args.world, (name, rounds, block, 3), timeout=900)
-        off = statistics.fmean(r["off"] for r in results)
-        on = statistics.fmean(r["on"] for r in results)
-        print(f"| {name} | {off * 1e3:.2f} | {on * 1e3:.2f} | {on / off:.3f} |", flush=True)
+        m = {k: statistics.fmean(r[k] for r in results) * 1e3 for k in results[0]}
+        print(f"| {name} | {m['off_wall']:.2f} | {m['on_wall']:.2f} | "
+              f"{m['on_wall'] / m['off_wall']:.3f} | {m['off_cpu']:.2f} | {m['on_cpu']:.2f} | "
+              f"{m['on_cpu'] / m['off_cpu']:.3f} |", flush=True)
+    torch.set_num_threads(1)
+    print("\n| buckets per step | recorder cost per step (us) |\n|---|---|")
+    for buckets in (1, 4, 16):
+        print(f"| {buckets} | {recorder_cost(buckets) * 1e6:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

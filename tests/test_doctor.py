@@ -52,6 +52,26 @@ def test_env_settings_and_errors():
         settings_from_env({"LOCKSTEP_PROFILE": "/x", "LOCKSTEP_PROFILE_STEPS": "ten"})
 
 
+def test_data_parallel_profile_has_every_phase_and_keeps_gradients():
+    reference = _mlp()
+    dp = lockstep.DataParallel(_mlp(), ["cpu", "cpu", "cpu"])
+    rec = dp.enable_profiling(warmup=1)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.0)
+    for _ in range(4):
+        x = torch.randn(12, 128)
+        opt.zero_grad()
+        dp(x).square().mean().backward()
+        opt.step()
+    reference(x).square().mean().backward()
+    for a, b in zip(dp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    phases = rec.phases()
+    assert rec.step_count == 4 and len(phases["devices"]) == 3
+    for name in ("scatter", "replicate", "parallel_apply", "gather", "backward", "optimizer"):
+        assert phases[name] > 0, name
+    assert dp.enable_profiling(False) is None and dp.profiler is None
+
+
 # ---- multi-rank scenarios -----------------------------------------------------------------
 class Sleepy(nn.Module):
     """Sleeps in forward on one rank: a slow device."""

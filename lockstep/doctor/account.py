@@ -145,9 +145,15 @@ def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Ac
         }.get(strag["phase"], f"rank {r} is {ms:.1f} ms slower outside the measured phases "
                               "(logging, checkpointing, evaluation on that rank only?)")
         out.append(Action(gain(strag["waited_s"]), text))
+    if strag["rank"] is None and strag["waited_s"] > 0.05 * tn:
+        out.append(Action(gain(strag["waited_s"] / 2), (
+            f"the ranks take turns being the slowest and wait {strag['waited_s'] * 1e3:.1f} ms "
+            "per step for each other: step times vary, which synchronisation turns into "
+            "waiting; look for contention (other processes on the machine or device, too many "
+            "threads per worker) or inputs of varying size")))
     comm = loss.get("exposed_comm")
     bucket = att["exposed_bucket"]
-    if comm is not None and comm.seconds > 0.02 * tn:
+    if comm is not None and comm.seconds > 0:
         exposed = comm.seconds
         bw = att["busbw"]
         bw_text = f" at {bw / 1e9:.2f} GB/s bus bandwidth" if bw > 0 else ""
@@ -156,10 +162,12 @@ def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Ac
             "compress gradients for the wire (model.register_comm_hook(None, "
             "lockstep.bf16_compress_hook)) to halve the bytes")))
         if bucket is not None and bucket["last_param"]:
+            cap = max(0.1, round(bucket["bytes"] / _MB / 4, 1))
             out.append(Action(gain(min(exposed, bucket["exposed_s"]) / 2), (
-                f"bucket {bucket['index']} waits for {bucket['last_param']}, whose gradient "
-                "arrives last: a smaller bucket_cap_mb starts the earlier buckets sooner, and a "
-                "large first layer (embedding) is best left to the last, smallest bucket")))
+                f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.2f} MB) is ready only when "
+                f"{bucket['last_param']} arrives, {bucket['ready_share']:.0%} into backward, "
+                f"and its all-reduce is left exposed: a smaller bucket_cap_mb (e.g. {cap}) "
+                "sends the gradients that arrive before it earlier, leaving less to wait for")))
         work = max(tn - exposed, 1e-9)
         batch = many.get("batch_size_per_rank")
         bigger = n * 2 * t1 / (2 * work + exposed) - acc.measured

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lockstep.doctor.dp_recorder import DataParallelRecorder
 from lockstep.dp.balance import device_capacities, imbalance_message
 from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replica_cache import ReplicaCache
@@ -97,6 +98,7 @@ class DataParallel(nn.Module):
         self.cache_replicas = cache_replicas
         self._model_cache = ReplicaCache()
         self._loss_cache = ReplicaCache()
+        self._profiler: DataParallelRecorder | None = None  # enable_profiling()
         message = imbalance_message(device_capacities(self.device_ids))
         if message:
             warnings.warn(message, stacklevel=2)
@@ -116,11 +118,28 @@ class DataParallel(nn.Module):
 
     def _forward_many(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses)."""
+        prof = self._profiler if torch.is_grad_enabled() else None
+        if prof is not None:
+            prof.forward_started()
         pieces = scatter((inputs, kwargs, targets), self.device_ids, self.dim)
         devices = self.device_ids[: len(pieces)]
+        if prof is not None:
+            prof.mark("scatter")
         models, loss_fns = self._replicas(devices, targets)
         calls = [functools.partial(_run_replica, m, l) for m, l in zip(models, loss_fns)]
+        if prof is not None:
+            prof.mark("replicate")
+            calls = [prof.timed_call(i, c) for i, c in enumerate(calls)]
         results = parallel_apply(calls, [(p,) for p in pieces], devices=devices)
+        if prof is not None:
+            prof.mark("parallel_apply")
+        result = self._gather_results(results, pieces, targets)
+        if prof is not None:
+            prof.mark("gather")
+            prof.forward_ended(result)
+        return result
+
+    def _gather_results(self, results: list[Any], pieces: list[Any], targets: Any) -> Any:
         outputs = [out for _, out in results]
         if targets is None:
             return gather(outputs, self.output_device, self.dim)
@@ -130,6 +149,25 @@ class DataParallel(nn.Module):
         if self.gather_outputs:
             return loss, gather(outputs, self.output_device, self.dim)
         return loss
+
+    def enable_profiling(self, enabled: bool = True, warmup: int = 3) -> DataParallelRecorder | None:
+        """Time scatter, replicate, each device's forward, gather, backward and the optimizer.
+
+        Returns:
+            The :class:`~lockstep.doctor.dp_recorder.DataParallelRecorder` (its ``phases()``
+            gives seconds per step), or None when disabled.
+        """
+        if self._profiler is not None:
+            self._profiler.close()
+        self._profiler = None
+        if enabled:
+            self._profiler = DataParallelRecorder(self.module.parameters(), len(self.device_ids),
+                                                  warmup)
+        return self._profiler
+
+    @property
+    def profiler(self) -> DataParallelRecorder | None:
+        return self._profiler
 
     def _forward_one(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         # One device: no replicas, no threads, the module called as it is.
