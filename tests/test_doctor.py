@@ -52,6 +52,18 @@ def test_env_settings_and_errors():
         settings_from_env({"LOCKSTEP_PROFILE": "/x", "LOCKSTEP_PROFILE_STEPS": "ten"})
 
 
+@pytest.mark.gpu
+def test_cuda_marks_are_events_resolved_in_order():
+    from lockstep.doctor.stamps import Stamps
+
+    stamps = Stamps(torch.device("cuda", 0))
+    a = stamps.now()
+    torch.ones(1 << 20, device="cuda").sum()
+    b = stamps.now()
+    assert not isinstance(a, float)  # no synchronisation at the mark
+    assert stamps.resolve(a, wait=True) <= stamps.resolve(b, wait=True)
+
+
 def test_data_parallel_profile_has_every_phase_and_keeps_gradients():
     reference = _mlp()
     dp = lockstep.DataParallel(_mlp(), ["cpu", "cpu", "cpu"])
