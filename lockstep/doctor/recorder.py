@@ -107,9 +107,11 @@ class Recorder:
         self._ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gather: tuple[Any, torch.Tensor] | None = None
         self._opt_start: Stamp | None = None
+        # torch's optimizer hooks are global: hold this recorder weakly so that a model dropped
+        # without disable leaves only an empty hook behind.
         self._handles = [
-            register_optimizer_step_pre_hook(self._optimizer_pre),
-            register_optimizer_step_post_hook(self._optimizer_post),
+            register_optimizer_step_pre_hook(_weak_hook(self._optimizer_pre)),
+            register_optimizer_step_post_hook(_weak_hook(self._optimizer_post)),
         ]
         self._saved_at = -1
         if self.out_dir is not None:
@@ -238,9 +240,12 @@ class Recorder:
                     span[:] = [r(m, wait) for m in span]
             self.steps.append(self._pending.pop(0))
 
-    def step_phases(self, skip_warmup: bool = True) -> list[dict[str, float]]:
-        """Seconds per phase of every kept step (see :func:`~lockstep.doctor.records.phases_of`)."""
-        self._resolve(wait=True)
+    def step_phases(self, skip_warmup: bool = True, wait: bool = True) -> list[dict[str, float]]:
+        """Seconds per phase of every kept step (see :func:`~lockstep.doctor.records.phases_of`).
+
+        With ``wait=False`` steps whose CUDA events have not completed are left out.
+        """
+        self._resolve(wait=wait)
         steps = list(self.steps)
         first = self.step_count - len(self._pending) - len(steps)  # index of steps[0]
         drop = max(0, self.warmup - first) if skip_warmup else 0
@@ -265,7 +270,7 @@ class Recorder:
             work, table = self._gather
             work.wait()  # issued gather_every steps ago: long complete
             self._log_ranks(table.view(self.world_size, -1).tolist())
-        recent = self.step_phases()[-self.gather_every:]
+        recent = self.step_phases(wait=False)[-self.gather_every:]
         keys = (*PHASES, "step")
         local = torch.tensor([sum(p[k] for p in recent) / max(1, len(recent)) for k in keys],
                              dtype=torch.float64)
@@ -321,6 +326,17 @@ class Recorder:
         if self.out_dir is not None:
             self.save()
             atexit.unregister(self.save)
+
+
+def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            alive(*args)
+
+    return hook
 
 
 def _flat(spans: list[list[Any]]) -> list[Any]:
