@@ -23,9 +23,9 @@ from lockstep.doctor.env import settings_from_env
 from lockstep.doctor.profile_file import build_profile, busbw
 from lockstep.doctor.records import PHASES, phases_of
 
-STEPS, WARMUP, BATCH = 14, 4, 64
+STEPS, WARMUP, BATCH = 24, 4, 64
 SLEEP = 0.03  # the injected delay: seconds per step on the slow rank
-THROTTLE = 10e6  # bytes/s of bus bandwidth the throttling hook allows
+THROTTLE = 5e6  # bytes/s of bus bandwidth the throttling hook allows
 
 
 # ---- pure logic ---------------------------------------------------------------------------
@@ -191,7 +191,9 @@ def test_profile_has_the_documented_fields(runs, world):
     for key in ("format", "version", "world_size", "model", "phases", "buckets", "per_rank"):
         assert key in prof
     assert prof["format"] == "lockstep-profile" and prof["world_size"] == world
-    assert prof["steps"] == STEPS - WARMUP and prof["batch_size_per_rank"] == BATCH
+    # Steps much longer than the median (a pre-empted process) are left out of the figures.
+    assert STEPS - WARMUP >= prof["steps"] >= (STEPS - WARMUP) // 2
+    assert prof["batch_size_per_rank"] == BATCH
     assert [r["rank"] for r in prof["per_rank"]] == list(range(world))
     assert prof["model"]["grad_bytes"] == sum(b["bytes"] for b in prof["buckets"])
     assert all(b["allreduce"] > 0 and b["busbw"] > 0 for b in prof["buckets"])

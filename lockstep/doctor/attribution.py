@@ -119,8 +119,13 @@ def _straggler(matrix: list[list[dict[str, float]]], step_s: float) -> Straggler
     }
     phase = max(excess, key=lambda p: excess[p])
     # Systematic, not the per-step maximum: noise makes some rank the slowest in every step,
-    # but only a real straggler is slower on average, and by a share of the step.
-    named = share >= STRAGGLER_STEPS and excess[phase] >= STRAGGLER_SHARE * step_s
+    # but only a real straggler is slower on average, by a share of the step, and clearly so
+    # against the step-to-step scatter (mean excess at least 3 standard errors).
+    gaps = [_own(matrix[top][k]) - statistics.fmean(_own(matrix[r][k]) for r in ranks if r != top)
+            for k in range(n)]
+    spread = statistics.stdev(gaps) / n**0.5 if n > 1 else 0.0
+    clear = statistics.fmean(gaps) >= 3 * spread
+    named = clear and share >= STRAGGLER_STEPS and excess[phase] >= STRAGGLER_SHARE * step_s
     return Straggler(top if named else None, phase if named else None, waited,
                      excess[phase] if named else 0.0, share, step_s)
 
@@ -146,10 +151,13 @@ def attribute(profile: dict[str, Any], matrix: list[list[dict[str, float]]]) -> 
     total_bytes = sum(b["bytes"] for b in buckets)
     world = profile["world_size"]
     bus = total_bytes / total_time * 2 * (world - 1) / world if total_time > 0 else 0.0
-    # Exposure measured on the critical rank: others' waits include waiting for the straggler.
+    # Exposure is what the step took beyond the slowest rank's own work: communication nobody
+    # hid (the others' waits also include waiting for the slowest rank, which is not).
     crit = critical_steps(matrix) if matrix and matrix[0] else []
-    critical_exposed = statistics.fmean(matrix[s][k]["exposed_comm"] for k, s in enumerate(crit)) \
-        if crit else phases.get("exposed_comm", 0.0)
+    ranks = range(len(matrix))
+    critical_exposed = statistics.fmean(
+        statistics.fmean(matrix[r][k]["step"] for r in ranks) - _own(matrix[s][k])
+        for k, s in enumerate(crit)) if crit else phases.get("exposed_comm", 0.0)
     hidden = max(0.0, 1 - critical_exposed / total_time) if total_time > 0 else 1.0
     return Attribution(straggler, critical_exposed, exposed, total_time, hidden, bus,
                        _baseline(matrix, crit) if len(matrix) > 1 else dict(phases))

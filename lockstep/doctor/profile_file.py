@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 TIMELINE_STEPS = 4  # steps per rank kept in profile.json for the timeline and the trace
+OUTLIER = 2.0  # steps longer than this many median steps are left out of the figures
 
 
 def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
@@ -50,11 +51,22 @@ def _offsets(ranks: list[dict[str, Any]]) -> list[float]:
     return [r["wall_offset"] - ranks[0]["wall_offset"] for r in ranks]
 
 
-def aligned_steps(ranks: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """``[rank][step]`` raw steps after warm-up, truncated to the steps every rank has."""
+def aligned_steps(ranks: list[dict[str, Any]], trim: bool = True) -> list[list[dict[str, Any]]]:
+    """``[rank][step]`` raw steps after warm-up, truncated to the steps every rank has.
+
+    With ``trim``, steps longer than :data:`OUTLIER` times the median step are left out on every
+    rank (a pre-empted process, an evaluation or a checkpoint inside the loop): one such step
+    would otherwise outweigh dozens of ordinary ones in every mean.
+    """
     kept = [r["steps"][r.get("warmup", 0):] for r in ranks]
     n = min(len(k) for k in kept)
-    return [k[len(k) - n:] for k in kept]  # the most recent n: ranks may differ by a partial step
+    aligned = [k[len(k) - n:] for k in kept]  # the most recent n: ranks may end mid-step
+    if not trim or n == 0:
+        return aligned
+    durations = [statistics.fmean(s[k]["end"] - s[k]["begin"] for s in aligned) for k in range(n)]
+    limit = OUTLIER * statistics.median(durations)
+    keep = [k for k in range(n) if durations[k] <= limit]
+    return [[s[k] for k in keep] for s in aligned]
 
 
 def step_matrix(ranks: list[dict[str, Any]]) -> list[list[dict[str, float]]]:
@@ -174,7 +186,7 @@ def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def timeline(ranks: list[dict[str, Any]], last: int | None = None) -> dict[str, Any]:
     """The ``last`` aligned steps (all: None) of every rank on one clock, seconds from the first."""
-    steps, offsets = aligned_steps(ranks), _offsets(ranks)
+    steps, offsets = aligned_steps(ranks, trim=False), _offsets(ranks)
     chosen = [s[-last:] if last else s for s in steps]
     if not chosen or not chosen[0]:
         return {"ranks": []}
