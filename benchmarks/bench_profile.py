@@ -58,7 +58,10 @@ def run(rank: int, model_name: str, rounds: int, block: int, warmup: int) -> dic
 
 
 def recorder_cost(buckets: int, steps: int = 3000) -> float:
-    """Seconds per step of the recorder's calls alone (CPU, ``buckets`` buckets), by difference."""
+    """CPU seconds per step of the recorder's calls alone (``buckets`` buckets), by difference.
+
+    CPU time of this process, not wall time: other processes on a shared machine barely move it.
+    """
     from lockstep.doctor.recorder import Recorder
 
     param = torch.nn.Parameter(torch.zeros(1))
@@ -68,7 +71,7 @@ def recorder_cost(buckets: int, steps: int = 3000) -> float:
     x = torch.zeros(4, 4)
 
     def loop(rec: Recorder | None) -> float:
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(steps):
             if rec is not None:
                 rec.forward_started((x,))
@@ -84,13 +87,15 @@ def recorder_cost(buckets: int, steps: int = 3000) -> float:
                     rec.bucket_waited(b)
                 rec.backward_ended()
             opt.step()
-        return (time.perf_counter() - start) / steps
+        return (time.process_time() - start) / steps
 
-    base = min(loop(None) for _ in range(3))
-    rec = Recorder(torch.device("cpu"), [param], warmup=0)
-    on = min(loop(rec) for _ in range(3))
-    rec.close()
-    return on - base
+    off_times, on_times = [], []
+    for _ in range(5):  # interleaved, the minimum of each; no recorder (or hook) while off
+        off_times.append(loop(None))
+        rec = Recorder(torch.device("cpu"), [param], warmup=0)
+        on_times.append(loop(rec))
+        rec.close()
+    return min(on_times) - min(off_times)
 
 
 def main() -> None:
