@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 TIMELINE_STEPS = 4  # steps per rank kept in profile.json for the timeline and the trace
-OUTLIER = 2.0  # steps longer than this many median steps are left out of the figures
+OUTLIER = 3.0  # steps longer than this many fast steps are left out of the figures
 
 
 def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
@@ -54,9 +54,10 @@ def _offsets(ranks: list[dict[str, Any]]) -> list[float]:
 def aligned_steps(ranks: list[dict[str, Any]], trim: bool = True) -> list[list[dict[str, Any]]]:
     """``[rank][step]`` raw steps after warm-up, truncated to the steps every rank has.
 
-    With ``trim``, steps longer than :data:`OUTLIER` times the median step are left out on every
-    rank (a pre-empted process, an evaluation or a checkpoint inside the loop): one such step
-    would otherwise outweigh dozens of ordinary ones in every mean.
+    With ``trim``, steps longer than :data:`OUTLIER` times a fast step (the 20th percentile)
+    are left out on every rank (a pre-empted process, an evaluation or a checkpoint inside the
+    loop): one such step would otherwise outweigh dozens of ordinary ones in every mean. The
+    profile reports how many were left out (``steps_left_out``).
     """
     kept = [r["steps"][r.get("warmup", 0):] for r in ranks]
     n = min(len(k) for k in kept)
@@ -64,7 +65,7 @@ def aligned_steps(ranks: list[dict[str, Any]], trim: bool = True) -> list[list[d
     if not trim or n == 0:
         return aligned
     durations = [statistics.fmean(s[k]["end"] - s[k]["begin"] for s in aligned) for k in range(n)]
-    limit = OUTLIER * statistics.median(durations)
+    limit = OUTLIER * sorted(durations)[len(durations) // 5]
     keep = [k for k in range(n) if durations[k] <= limit]
     return [[s[k] for k in keep] for s in aligned]
 
@@ -174,7 +175,9 @@ def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "format": "lockstep-profile", "version": 1, "world_size": first["world_size"],
         "backend": first["backend"], "device": first["device"], "torch": first["torch"],
         "mode": first.get("mode", "ddp"), "batch_size_per_rank": first["batch_size_per_rank"],
-        "steps": len(matrix[0]) if matrix else 0, "model": first["model"],
+        "steps": len(matrix[0]) if matrix else 0,
+        "steps_left_out": len(aligned_steps(ranks, trim=False)[0]) - len(matrix[0]),
+        "model": first["model"],
         "phases": _phase_means(everything), "buckets": buckets, "per_rank": per_rank,
     }
     if first.get("device_name"):
