@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedDataParallel": "lockstep.ddp.wrapper",
     "GradBucket": "lockstep.ddp.comm_hooks",
     "ReplicaMismatchError": "lockstep.ddp.replica_sync",
+    "profile": "lockstep.doctor.api",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]  # noqa: PLE0605 - built from the table above

@@ -43,7 +43,7 @@ from lockstep.ddp.reducer_errors import (
     unused,
 )
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
-from lockstep.ddp.timing import StepClock
+from lockstep.doctor.recorder import Recorder
 
 __all__ = ["Reducer"]
 
@@ -86,7 +86,7 @@ class Reducer:
         self.cap_bytes = bucket_cap_bytes
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] = allreduce_hook
         self.comm_state: Any = group
-        self.clock: StepClock | None = None
+        self.clock: Recorder | None = None
         # Set by join(): rescales the mean when it must be over the active ranks only.
         self.grad_scale = 1.0
         # LOCKSTEP_DEBUG_COLLECTIVES=1: before each bucket, check every rank reduces the same one.
@@ -228,6 +228,8 @@ class Reducer:
         self._mark_ready(i, param)
         b = self._where[i][0]
         if self._pending[b] == 0:
+            if self.clock is not None:
+                self.clock.bucket_ready(b, self.names[i])
             self._launch_ready()
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
@@ -300,11 +302,17 @@ class Reducer:
                 collective_checks.check_collective(
                     f"all_reduce(bucket {bucket.index})", tensors, self.group
                 )
-            self._futures[bucket.index] = self.comm_hook(self.comm_state, grad_bucket)
+            if self.clock is not None:
+                self.clock.bucket_launched(bucket.index)
+            self._futures[bucket.index] = fut = self.comm_hook(self.comm_state, grad_bucket)
+            if self.clock is not None:
+                self.clock.watch_bucket(bucket.index, fut)
             self._next_launch += 1
 
     # ---- end of backward -----------------------------------------------------------------
     def _finalize(self) -> None:
+        if self.clock is not None:
+            self.clock.backward_compute_ended()
         if not self._arrived_total:
             # The outputs' gradients were computed but no parameter's (autograd.grad with
             # respect to the inputs): nothing to reduce yet; the next backward will.
@@ -366,11 +374,13 @@ class Reducer:
                 if self.grad_scale != 1.0:
                     result = result * self.grad_scale
                 self._sparse_grads[bucket.index] = result
-                continue
-            if result is not bucket.buffer:
-                bucket.buffer.copy_(result)
-            if self.grad_scale != 1.0:
-                bucket.buffer.mul_(self.grad_scale)
+            else:
+                if result is not bucket.buffer:
+                    bucket.buffer.copy_(result)
+                if self.grad_scale != 1.0:
+                    bucket.buffer.mul_(self.grad_scale)
+            if self.clock is not None:
+                self.clock.bucket_waited(bucket.index)
         if self.clock is not None:
             self.clock.add_exposed(time.perf_counter() - start)
 

@@ -9,6 +9,8 @@ argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduct
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +33,9 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
-from lockstep.ddp.timing import StepClock, StepTiming
+from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.recorder import Recorder
+from lockstep.doctor.records import StepTiming
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
 
@@ -148,7 +152,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._clock: StepClock | None = None
+        self._clock: Recorder | None = None
+        self._profile_hooks: list[Any] = []
         self._uneven: UnevenInputs | None = None  # lockstep's join()
         self._torch_join: UnevenInputs | None = None  # torch's Join([...]), through join_hook
         self._hook_registered = False
@@ -201,6 +206,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             state = ReduceDtypeState(self.process_group, reduce_dtype=self._reduce_dtype)
             self._reducer.comm_hook, self._reducer.comm_state = reduce_dtype_hook, state
             self._hook_registered = True
+        settings = settings_from_env()  # LOCKSTEP_PROFILE=dir: set by `lockstep doctor`
+        if settings is not None:
+            self.enable_profiling(**settings)
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
         for name, p in named:
@@ -219,12 +227,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        reducer, clock = self._reducer, self._clock
-        if (reducer is None and clock is None and self.device_ids is None
+        reducer = self._reducer
+        if (reducer is None and self.device_ids is None
                 and self._uneven is None and self._torch_join is None and self._delayed is None):
             return self.module(*inputs, **kwargs)
-        if clock is not None:
-            clock.forward_started()
         if self.device_ids is not None:
             moved_inputs, moved_kwargs = self.to_kwargs(inputs, kwargs, self.device_ids[0])
             inputs, kwargs = moved_inputs[0], moved_kwargs[0]
@@ -241,17 +247,32 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.sync_module_buffers(src)
         if self._delayed is not None and grad_enabled:
             self._delayed.before_forward(sync)
+        if self._clock is not None and grad_enabled and not torch.compiler.is_compiling():
+            self._clock.forward_synced()
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync, output)
         # As torch: the forward after a no_sync forward does not broadcast buffers.
         self.require_forward_param_sync = sync
-        if clock is not None:
-            clock.forward_ended()
-            if grad_enabled:
-                ends_itself = reducer is None or not self.require_backward_grad_sync
-                _hook_first_tensor(output, clock, end_on_backward=ends_itself)
         return output
+
+    # Profiling marks never enter a compiled graph (a clock read would break it): under
+    # torch.compile the forward goes unmarked and backward is marked by the reducer's hooks.
+    def _profile_forward_pre(self, module: nn.Module, inputs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if self._clock is not None and torch.is_grad_enabled():
+            self._clock.forward_started(inputs)
+
+    def _profile_forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        clock = self._clock
+        if clock is not None and torch.is_grad_enabled():
+            clock.forward_ended()
+            ends_itself = self._reducer is None or not self.require_backward_grad_sync
+            _hook_first_tensor(output, clock, end_on_backward=ends_itself,
+                               synced=self._reducer is None)
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[Any]) -> tuple:
         """torch's hook for splitting inputs over ``device_ids`` along ``dim``."""
@@ -372,6 +393,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         state = UnevenInputs(self, divide_by_initial_world_size, throw_on_early_termination)
         self._uneven = state
+        if self._clock is not None:
+            self._clock.gathers_paused = True  # a joined rank would miss the gather
         try:
             yield
             self._uneven = None  # this rank's own forwards are over: now it only shadows
@@ -379,6 +402,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self._uneven = None
             self.set_gradient_scale(1.0)
+            if self._clock is not None:
+                self._clock.gathers_paused = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -414,16 +439,75 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
-    def enable_step_timing(self, enabled: bool = True) -> None:
-        """Record forward, backward and exposed-communication seconds of every iteration."""
-        self._clock = StepClock(self.device) if enabled else None
+    def enable_profiling(
+        self,
+        enabled: bool = True,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        max_steps: int | None = None,
+        warmup: int = 5,
+        gather_every: int = 0,
+    ) -> Recorder | None:
+        """Record every step: data wait, forward, backward, each bucket, exposed wait, optimizer.
+
+        Cheap enough to leave on (no device synchronisation, no collective unless
+        ``gather_every``). ``lockstep doctor`` turns it on through ``LOCKSTEP_PROFILE``.
+
+        Args:
+            enabled: False stops profiling (and saves, if ``out_dir`` was given).
+            out_dir: each rank writes ``rank<R>.json`` there when the process exits.
+            max_steps: end the process after this many steps (bounded runs).
+            warmup: first steps left out of summaries.
+            gather_every: every this many steps, rank 0 logs which rank is slowest and where
+                (one small asynchronous all-gather; 0: never).
+
+        Returns:
+            The :class:`~lockstep.doctor.recorder.Recorder`, or None when disabled.
+
+        Example::
+
+            model.enable_profiling()
+            ...train...
+            report = lockstep.doctor.gather_report(model.profiler)   # on every rank
+        """
+        if self._clock is not None:
+            self._clock.close()
+            for handle in self._profile_hooks:
+                handle.remove()
+        self._clock, self._profile_hooks = None, []
+        if enabled:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            group = self.process_group if self.world_size > 1 else None
+            self._clock = Recorder(
+                self.device, params, group, self._bucket_layout, _model_info(self.module),
+                out_dir, max_steps, warmup, gather_every,
+            )
+            self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
+                                   self.register_forward_hook(self._profile_forward_post)]
         if self._reducer is not None:
             self._reducer.clock = self._clock
+        return self._clock
+
+    @property
+    def profiler(self) -> Recorder | None:
+        """The recorder :meth:`enable_profiling` started, or None."""
+        return self._clock
+
+    def enable_step_timing(self, enabled: bool = True) -> None:
+        """Record forward, backward and exposed-communication seconds (see :meth:`enable_profiling`)."""
+        self.enable_profiling(enabled)
 
     @property
     def step_timings(self) -> list[StepTiming]:
-        """One :class:`~lockstep.ddp.timing.StepTiming` per iteration since timing was enabled."""
-        return self._clock.history if self._clock is not None else []
+        """One :class:`~lockstep.doctor.records.StepTiming` per backward since timing was enabled."""
+        return self._clock.step_timings if self._clock is not None else []
+
+    def _bucket_layout(self) -> list[dict[str, Any]]:
+        reducer = self._reducer
+        if reducer is None:
+            return []
+        return [{"index": b.index, "bytes": b.nbytes,
+                 "params": [reducer.names[i] for i in b.param_indices]} for b in reducer.buckets]
 
     # ---- pickling and deepcopy: without the process group, rebuilt on load ---------------
     def __getstate__(self) -> dict[str, Any]:
@@ -435,7 +519,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         state = dict(self.__dict__)
         for key in ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
-                    "_torch_join", "_clock"):
+                    "_torch_join", "_clock", "_profile_hooks"):
             state.pop(key, None)
         # A copy starts with the default reduction (the hook's state may hold a group).
         state["_hook_registered"] = False
@@ -451,6 +535,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = dist.group.WORLD
         self.device_mesh = None
         self._uneven = self._torch_join = self._clock = None
+        self._profile_hooks = []
         Joinable.__init__(self)
         self._connect()
 
@@ -489,7 +574,20 @@ def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> None:
+def _model_info(module: nn.Module) -> dict[str, Any]:
+    """The ``model`` entry of the profile format (docs/profile-format.md)."""
+    every = list(module.parameters())
+    trained = [p for p in every if p.requires_grad]
+    return {
+        "parameters": sum(p.numel() for p in every),
+        "trainable_parameters": sum(p.numel() for p in trained),
+        "param_bytes": sum(p.numel() * p.element_size() for p in every),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in trained),
+        "dtype": str(trained[0].dtype).replace("torch.", "") if trained else None,
+    }
+
+
+def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, synced: bool) -> None:
     """Mark the start of backward when the gradient of the first output tensor is computed.
 
     Without a reducer (a world of one) nothing else marks the end of backward, so the hook
@@ -499,7 +597,8 @@ def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> 
     def started(grad: torch.Tensor) -> None:
         clock.backward_started()
         if end_on_backward:
-            Variable._execution_engine.queue_callback(clock.backward_ended)
+            Variable._execution_engine.queue_callback(
+                functools.partial(clock.backward_ended, synced=synced))
 
     stack = [output]
     while stack:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.doctor.dp_recorder import DataParallelRecorder
 from lockstep.dp.balance import device_capacities, imbalance_message
 from lockstep.dp.devices import (
     DeviceLike,
@@ -121,6 +122,7 @@ class DataParallel(nn.Module):
         self.cache_replicas = cache_replicas
         self._model_cache = ReplicaCache()
         self._loss_cache = ReplicaCache()
+        self._profiler: DataParallelRecorder | None = None  # enable_profiling()
         message = imbalance_message(device_capacities(self.device_ids))
         if message:
             warnings.warn(message, stacklevel=2)
@@ -203,25 +205,64 @@ class DataParallel(nn.Module):
 
     def _forward_many(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         """scatter -> replicate -> parallel_apply -> gather (or combine the replicas' losses)."""
+        prof = self._profiler if torch.is_grad_enabled() else None
+        if prof is not None:
+            prof.forward_started()
         pieces = self._scatter(inputs, kwargs, targets, self.device_ids)
         devices = self.device_ids[: len(pieces)]
+        if prof is not None:
+            prof.mark("scatter")
         if not (self.cache_replicas and not torch.is_grad_enabled()):
             # A training forward builds its own replicas; free inference copies meanwhile.
             self.clear_replica_cache()
         models = self.replicate(self.module, devices)
+        if prof is not None:
+            prof.mark("replicate")
         args_list = [args for args, _, _ in pieces]
-        if targets is None:
-            outputs = self.parallel_apply(models, args_list, [kw for _, kw, _ in pieces])
-            return self.gather(outputs, self.output_device)
-        calls = [_WithLoss(m, fn) for m, fn in zip(models, self._loss_replicas(devices))]
-        kwargs_list = [{**kw, "targets": t} for _, kw, t in pieces]
+        calls: list[Any] = list(models)
+        kwargs_list = [kw for _, kw, _ in pieces]
+        if targets is not None:
+            calls = [_WithLoss(m, fn) for m, fn in zip(models, self._loss_replicas(devices))]
+            kwargs_list = [{**kw, "targets": t} for _, kw, t in pieces]
+        if prof is not None:
+            calls = [prof.timed_call(i, c) for i, c in enumerate(calls)]
         results = self.parallel_apply(calls, args_list, kwargs_list)
+        if prof is not None:
+            prof.mark("parallel_apply")
+        result = self._gather_results(results, pieces, targets)
+        if prof is not None:
+            prof.mark("gather")
+            prof.forward_ended(result)
+        return result
+
+    def _gather_results(self, results: list[Any], pieces: list[Any], targets: Any) -> Any:
+        if targets is None:
+            return self.gather(results, self.output_device)
         sizes = [_batch_size(piece, self.dim) for piece in pieces]
         loss = combine_losses([loss for loss, _ in results], sizes, self.loss_reduction,
                               self.output_device, self.dim)
         if self.gather_outputs:
             return loss, self.gather([out for _, out in results], self.output_device)
         return loss
+
+    def enable_profiling(self, enabled: bool = True, warmup: int = 3) -> DataParallelRecorder | None:
+        """Time scatter, replicate, each device's forward, gather, backward and the optimizer.
+
+        Returns:
+            The :class:`~lockstep.doctor.dp_recorder.DataParallelRecorder` (its ``phases()``
+            gives seconds per step), or None when disabled.
+        """
+        if self._profiler is not None:
+            self._profiler.close()
+        self._profiler = None
+        if enabled:
+            self._profiler = DataParallelRecorder(self.module.parameters(), len(self.device_ids),
+                                                  warmup)
+        return self._profiler
+
+    @property
+    def profiler(self) -> DataParallelRecorder | None:
+        return self._profiler
 
     def _forward_one(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:
         # One device: no replicas, no threads, the module called as it is.

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, shutdown_distributed
+from lockstep.doctor.env import profiling_requested
 from lockstep.env import ProcessInfo
 from lockstep.helper.collectives import Metric, all_reduce_metrics, gather_for_eval
 from lockstep.helper.loader import ShardedLoader
@@ -111,8 +112,8 @@ class Runtime:
                 "builds it."
             )
         model = model.to(self.device)
-        if self.world_size == 1:
-            return model
+        if self.world_size == 1 and not profiling_requested():
+            return model  # (under `lockstep doctor` even a world of one is wrapped: it is timed)
         from lockstep.ddp.wrapper import DistributedDataParallel
 
         if self.device.type == "cuda":

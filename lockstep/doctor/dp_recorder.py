@@ -1,0 +1,147 @@
+"""The DataParallel profile: where one process's step goes when it drives several devices.
+
+Per step: ``scatter`` (splitting the batch), ``replicate`` (copying the model to every device),
+``parallel_apply`` (the replicas' forwards, and each device's own time in ``devices``),
+``gather`` (outputs or losses brought to the output device: device 0's extra work),
+``backward`` (all replicas' gradients flowing back into the module on device 0), ``optimizer``,
+and ``other`` (the rest of the step: data, the loss outside the wrapper). On CUDA the
+per-device times are the host's launch times (kernels run on asynchronously).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+__all__ = ["DP_PHASES", "DataParallelRecorder"]
+
+DP_PHASES = ("scatter", "replicate", "parallel_apply", "gather", "backward", "optimizer", "other")
+
+
+class DataParallelRecorder:
+    """Records the phases of every step of one :class:`lockstep.DataParallel`."""
+
+    def __init__(self, params: Iterable[torch.Tensor], devices: int, warmup: int = 3,
+                 history: int = 2000) -> None:
+        self.devices, self.warmup = devices, warmup
+        self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=history)
+        self.step_count = 0
+        self._param_ids = {id(p) for p in params}
+        self._ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._begin = time.perf_counter()
+        self._new_step()
+        self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre),
+                         register_optimizer_step_post_hook(self._optimizer_post)]
+
+    def _new_step(self) -> None:
+        self._cur: dict[str, Any] = {p: 0.0 for p in DP_PHASES}
+        self._cur["devices"] = [0.0] * self.devices
+        self._last = time.perf_counter()
+        self._backward_start: float | None = None
+        self._opt_start: float | None = None
+
+    # ---- forward (called by DataParallel.forward) ------------------------------------------
+    def forward_started(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark was spent in ``phase``."""
+        now = time.perf_counter()
+        self._cur[phase] += now - self._last
+        self._last = now
+
+    def timed_call(self, device: int, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, timing its run (in its own thread) as ``device``'s."""
+        times = self._cur["devices"]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                times[device] += time.perf_counter() - start
+
+        return run
+
+    def forward_ended(self, output: Any) -> None:
+        """Mark backward's start and end through the first output that needs a gradient."""
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._backward_started)
+                return
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+            Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        if self._backward_start is not None:
+            self._cur["backward"] += time.perf_counter() - self._backward_start
+            self._backward_start = None
+
+    # ---- optimizer: the step ends with it ---------------------------------------------------
+    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._ours.get(optimizer)
+        if known is None:
+            known = any(id(p) in self._param_ids for g in optimizer.param_groups
+                        for p in g["params"])
+            self._ours[optimizer] = known
+        return known
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._is_ours(optimizer):
+            self._opt_start = time.perf_counter()
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._opt_start is None or not self._is_ours(optimizer):
+            return
+        end = time.perf_counter()
+        self._cur["optimizer"] += end - self._opt_start
+        self._cur["step"] = end - self._begin
+        measured = sum(self._cur[p] for p in DP_PHASES if p != "other")
+        self._cur["other"] = max(0.0, self._cur["step"] - measured)
+        self.steps.append(self._cur)
+        self.step_count += 1
+        self._begin = end
+        self._new_step()
+
+    # ---- results ------------------------------------------------------------------------------
+    def phases(self) -> dict[str, Any]:
+        """Mean seconds per phase over the kept steps after warm-up, and per device."""
+        first = self.step_count - len(self.steps)
+        rows = list(self.steps)[max(0, self.warmup - first):]
+        if not rows:
+            return {}
+        out: dict[str, Any] = {p: statistics.fmean(r[p] for r in rows) for p in (*DP_PHASES, "step")}
+        out["devices"] = [statistics.fmean(r["devices"][d] for r in rows)
+                          for d in range(self.devices)]
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
