@@ -99,7 +99,7 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
                    options: PlanOptions) -> tuple[float, float, list[Cost], float]:
     """(exposed seconds after backward, link seconds, the costs, last bucket's cost)."""
     buckets = sorted(workload.buckets, key=lambda b: b.ready)
-    if strategy.sync_every > 1 or strategy.data_parallel or world <= 1:
+    if strategy.averages_parameters or strategy.data_parallel or world <= 1:
         return 0.0, 0.0, [], 0.0
     costs: list[Cost] = []
     encode: list[float] = []
@@ -159,7 +159,7 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         forward = _zero3_forward(workload, topo, world)
     elif strategy.zero_stage in (1, 2) and world > 1:
         extra_cost = collective(ALL_GATHER, param_bytes, world, topo)
-    if strategy.sync_every > 1 and world > 1:
+    if strategy.averages_parameters and world > 1:
         # Local SGD / DiLoCo: one all-reduce of the fp32 parameters (or of the change) every H.
         extra_cost = collective(ALL_REDUCE, workload.parameters * 4, world, topo)
         extra_cost = Cost(extra_cost.seconds / strategy.sync_every,

@@ -31,6 +31,7 @@ class Strategy:
     ratio: float = 1.0  # bytes sent / gradient bytes
     sync_every: int = 1  # local SGD: steps between parameter averages
     outer_optimizer: bool = False  # DiLoCo
+    averages_parameters: bool = False  # local SGD / DiLoCo: no gradient all-reduce
     data_parallel: bool = False  # single-process DataParallel
 
     @property
@@ -39,7 +40,7 @@ class Strategy:
 
         Local SGD and DiLoCo change the algorithm, so they are never marked best by default.
         """
-        return self.sync_every == 1
+        return not self.averages_parameters
 
 
 def parse_strategy(text: str, grad_dtype: str = "float32") -> Strategy:
@@ -61,7 +62,8 @@ def parse_strategy(text: str, grad_dtype: str = "float32") -> Strategy:
         every = int(_number(arg or "8", text, int))
         if every < 1:
             raise ValueError(f"strategy {text!r}: H must be >= 1, e.g. {name}:8")
-        return Strategy(key, sync_every=every, outer_optimizer=name == "diloco")
+        return Strategy(key, sync_every=every, outer_optimizer=name == "diloco",
+                        averages_parameters=True)
     raise ValueError(f"unknown strategy {text!r}: use ddp, ddp-bf16, ddp-fp16, compress:R, zero1, "
                      "zero2, zero3, localsgd:H, diloco:H or dp")
 
