@@ -21,10 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_ddp  # noqa: E402  - the DDP benchmark's models
+import bench_ddp
 
-from lockstep.plan.measure import measure_link  # noqa: E402
-from lockstep.plan.validate import (  # noqa: E402
+from lockstep.plan.measure import measure_link
+from lockstep.plan.validate import (
     measure_ddp,
     predict_ddp,
     profile_world1,

@@ -181,8 +181,8 @@ def load_profile(path: str | Path) -> Workload:
         optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
         batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
         device=device.split(":")[0], source=path, link=link,
-        notes=() if buckets else ("synthetic buckets: the profile lists none (world 1?), so DDP's "
-                                  "1 MB + 25 MB buckets are assumed, ready uniformly over backward",),
+        notes=() if buckets else (("synthetic buckets: the profile lists none (world 1?), so DDP's "
+                                  "1 MB + 25 MB buckets are assumed, ready uniformly over backward"),),
     )
 
 
