@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerError": "lockstep.multiproc",
     "DistributedDataParallel": "lockstep.ddp.wrapper",
     "GradBucket": "lockstep.ddp.comm_hooks",
+    "profile": "lockstep.doctor.api",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

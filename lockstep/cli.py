@@ -70,6 +70,25 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_plan)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from lockstep.doctor.command import run_doctor
+
+    return run_doctor(args)
+
+
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    from lockstep.doctor.command import add_doctor_arguments
+
+    parser = subparsers.add_parser(
+        "doctor",
+        help="explain the speedup: run at 1 and N workers, name what costs the time",
+        description="Run TRAINING_SCRIPT unchanged at 1 and at N workers for a few steps, "
+        "profile every rank, and print where the ideal N-times speedup went.",
+    )
+    add_doctor_arguments(parser)
+    parser.set_defaults(handler=_doctor)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lockstep`` parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -77,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(subparsers)
+    _add_doctor(subparsers)
     _add_plan(subparsers)
     return parser
 

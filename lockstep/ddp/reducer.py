@@ -167,6 +167,8 @@ class Reducer:
                 param.grad = view
         self._pending[b] -= 1
         if self._pending[b] == 0:
+            if self.clock is not None:
+                self.clock.bucket_ready(b, self.names[i])
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -180,7 +182,11 @@ class Reducer:
                 collective_checks.check_collective(
                     f"all_reduce(bucket {bucket.index})", [bucket.buffer], self.group
                 )
-            self._futures[bucket.index] = self.comm_hook(self.comm_state, grad_bucket)
+            if self.clock is not None:
+                self.clock.bucket_launched(bucket.index)
+            self._futures[bucket.index] = fut = self.comm_hook(self.comm_state, grad_bucket)
+            if self.clock is not None:
+                self.clock.watch_bucket(bucket.index, fut)
             self._next_launch += 1
 
     # ---- end of backward -----------------------------------------------------------------
@@ -211,10 +217,14 @@ class Reducer:
                 bucket.buffer.copy_(result)
             if self.grad_scale != 1.0:
                 bucket.buffer.mul_(self.grad_scale)
+            if self.clock is not None:
+                self.clock.bucket_waited(bucket.index)
         if self.clock is not None:
             self.clock.add_exposed(time.perf_counter() - start)
 
     def _finalize(self) -> None:
+        if self.clock is not None:
+            self.clock.backward_compute_ended()
         unready = [i for i, r in enumerate(self._ready) if not r]
         try:
             saved = self._fill_unready(unready)

@@ -8,6 +8,8 @@ reduction in ``reducer.py``, start-up agreement in ``replica_sync.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -19,7 +21,9 @@ from lockstep.ddp.bucket import MB
 from lockstep.ddp.join import UnevenInputs
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import broadcast_coalesced, verify_same_parameters
-from lockstep.ddp.timing import StepClock, StepTiming
+from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.recorder import Recorder
+from lockstep.doctor.records import StepTiming
 
 __all__ = ["DistributedDataParallel"]
 
@@ -91,7 +95,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
-        self._clock: StepClock | None = None
+        self._clock: Recorder | None = None
         self._uneven: UnevenInputs | None = None
         named = _unique_trainable(module)
         if not named:
@@ -113,6 +117,9 @@ class DistributedDataParallel(nn.Module):
                 [p for _, p in named], [n for n, _ in named], self.process_group, cap,
                 self.find_unused_parameters, gradient_as_bucket_view,
             )
+        settings = settings_from_env()  # LOCKSTEP_PROFILE=dir: set by `lockstep doctor`
+        if settings is not None:
+            self.enable_profiling(**settings)
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
         for name, p in named:
@@ -139,8 +146,10 @@ class DistributedDataParallel(nn.Module):
         reducer, clock = self._reducer, self._clock
         if reducer is None and clock is None and self.device_ids is None and self._uneven is None:
             return self.module(*inputs, **kwargs)
-        if clock is not None:
-            clock.forward_started()
+        # Under torch.compile the marks are left out of the graph (no graph break).
+        timed = clock is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if timed:
+            clock.forward_started(inputs)  # type: ignore[union-attr]
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(
                 self.device_ids[0], int) else torch.device(self.device_ids[0])
@@ -150,14 +159,16 @@ class DistributedDataParallel(nn.Module):
         if self._uneven is not None:
             src = self._uneven.announce(grad_enabled and self.require_backward_grad_sync)
         self._sync_buffers(src)
+        if timed:
+            clock.forward_synced()  # type: ignore[union-attr]
         output = self.module(*inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync)
-        if clock is not None:
-            clock.forward_ended()
-            if grad_enabled:
-                ends_itself = reducer is None or not self.require_backward_grad_sync
-                _hook_first_tensor(output, clock, end_on_backward=ends_itself)
+        if timed:
+            clock.forward_ended()  # type: ignore[union-attr]
+            ends_itself = reducer is None or not self.require_backward_grad_sync
+            _hook_first_tensor(output, clock, end_on_backward=ends_itself,  # type: ignore[arg-type]
+                               synced=reducer is None)
         return output
 
     def _sync_buffers(self, src: int) -> None:
@@ -194,6 +205,8 @@ class DistributedDataParallel(nn.Module):
             return
         state = UnevenInputs(self, divide_by_initial_world_size, throw_on_early_termination)
         self._uneven = state
+        if self._clock is not None:
+            self._clock.gathers_paused = True  # a joined rank would miss the gather
         try:
             yield
             self._uneven = None  # this rank's own forwards are over: now it only shadows
@@ -201,6 +214,8 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._uneven = None
             self._reducer.grad_scale = 1.0
+            if self._clock is not None:
+                self._clock.gathers_paused = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -230,16 +245,71 @@ class DistributedDataParallel(nn.Module):
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = hook, state
 
-    def enable_step_timing(self, enabled: bool = True) -> None:
-        """Record forward, backward and exposed-communication seconds of every iteration."""
-        self._clock = StepClock(self._device) if enabled else None
+    def enable_profiling(
+        self,
+        enabled: bool = True,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        max_steps: int | None = None,
+        warmup: int = 5,
+        gather_every: int = 0,
+    ) -> Recorder | None:
+        """Record every step: data wait, forward, backward, each bucket, exposed wait, optimizer.
+
+        Cheap enough to leave on (no device synchronisation, no collective unless
+        ``gather_every``). ``lockstep doctor`` turns it on through ``LOCKSTEP_PROFILE``.
+
+        Args:
+            enabled: False stops profiling (and saves, if ``out_dir`` was given).
+            out_dir: each rank writes ``rank<R>.json`` there when the process exits.
+            max_steps: end the process after this many steps (bounded runs).
+            warmup: first steps left out of summaries.
+            gather_every: every this many steps, rank 0 logs which rank is slowest and where
+                (one small asynchronous all-gather; 0: never).
+
+        Returns:
+            The :class:`~lockstep.doctor.recorder.Recorder`, or None when disabled.
+
+        Example::
+
+            model.enable_profiling()
+            ...train...
+            report = lockstep.doctor.gather_report(model.profiler)   # on every rank
+        """
+        if self._clock is not None:
+            self._clock.close()
+        self._clock = None
+        if enabled:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            group = self.process_group if self.world_size > 1 else None
+            self._clock = Recorder(
+                self._device, params, group, self._bucket_layout, _model_info(self.module),
+                out_dir, max_steps, warmup, gather_every,
+            )
         if self._reducer is not None:
             self._reducer.clock = self._clock
+        return self._clock
+
+    @property
+    def profiler(self) -> Recorder | None:
+        """The recorder :meth:`enable_profiling` started, or None."""
+        return self._clock
+
+    def enable_step_timing(self, enabled: bool = True) -> None:
+        """Record forward, backward and exposed-communication seconds (see :meth:`enable_profiling`)."""
+        self.enable_profiling(enabled)
 
     @property
     def step_timings(self) -> list[StepTiming]:
-        """One :class:`~lockstep.ddp.timing.StepTiming` per iteration since timing was enabled."""
-        return self._clock.history if self._clock is not None else []
+        """One :class:`~lockstep.doctor.records.StepTiming` per backward since timing was enabled."""
+        return self._clock.step_timings if self._clock is not None else []
+
+    def _bucket_layout(self) -> list[dict[str, Any]]:
+        reducer = self._reducer
+        if reducer is None:
+            return []
+        return [{"index": b.index, "bytes": b.nbytes,
+                 "params": [reducer.names[i] for i in b.param_indices]} for b in reducer.buckets]
 
     # ---- checkpoints: keys without "module." ----------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
@@ -282,7 +352,20 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> None:
+def _model_info(module: nn.Module) -> dict[str, Any]:
+    """The ``model`` entry of the profile format (docs/profile-format.md)."""
+    every = list(module.parameters())
+    trained = [p for p in every if p.requires_grad]
+    return {
+        "parameters": sum(p.numel() for p in every),
+        "trainable_parameters": sum(p.numel() for p in trained),
+        "param_bytes": sum(p.numel() * p.element_size() for p in every),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in trained),
+        "dtype": str(trained[0].dtype).replace("torch.", "") if trained else None,
+    }
+
+
+def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, synced: bool) -> None:
     """Mark the start of backward when the gradient of the first output tensor is computed.
 
     Without a reducer (a world of one) nothing else marks the end of backward, so the hook
@@ -292,7 +375,8 @@ def _hook_first_tensor(output: Any, clock: StepClock, end_on_backward: bool) -> 
     def started(grad: torch.Tensor) -> None:
         clock.backward_started()
         if end_on_backward:
-            Variable._execution_engine.queue_callback(clock.backward_ended)
+            Variable._execution_engine.queue_callback(
+                functools.partial(clock.backward_ended, synced=synced))
 
     stack = [output]
     while stack:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from lockstep.doctor.env import profiling_requested
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, shutdown_distributed
 from lockstep.env import ProcessInfo
 from lockstep.helper.collectives import Metric, all_reduce_metrics, gather_for_eval
@@ -101,8 +102,8 @@ class Runtime:
             The DDP-wrapped model, or with a world of one the model itself.
         """
         model = model.to(self.device)
-        if self.world_size == 1:
-            return model
+        if self.world_size == 1 and not profiling_requested():
+            return model  # (under `lockstep doctor` even a world of one is wrapped: it is timed)
         from lockstep.ddp.wrapper import DistributedDataParallel
 
         if self.device.type == "cuda":

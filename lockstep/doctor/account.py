@@ -1,0 +1,187 @@
+"""The speedup account: from the ideal N× to the measured speedup, every loss with its share.
+
+With the same batch per rank, N ranks do N times the work of one per step, so the measured
+speedup is ``N * T1 / TN`` (step times at world 1 and N), and the loss is
+``N - speedup = N * (TN - T1) / TN``. ``TN - T1`` splits into: each phase's growth on the ranks
+that waited, the time they waited for the slowest rank, the communication the slowest rank
+itself waited for, and what is left (host time outside the measured phases, and noise),
+printed as "unexplained". Each term ``d`` costs ``N * d / TN`` of speedup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Loss", "Action", "Account", "speedup_account"]
+
+_MB = 2**20
+
+
+@dataclass
+class Loss:
+    """One line of the account: seconds per step at world N, and the speedup it costs."""
+
+    key: str
+    label: str
+    seconds: float
+    speedup: float
+
+
+@dataclass
+class Action:
+    """A change worth trying, with the measured reason and its estimated gain in speedup."""
+
+    gain: float
+    text: str
+
+
+@dataclass
+class Account:
+    world_size: int
+    step_1: float
+    step_n: float
+    ideal: float
+    measured: float
+    losses: list[Loss]
+    unexplained: Loss
+    actions: list[Action] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """The account as printed by ``lockstep doctor``."""
+        n = self.world_size
+        lines = [
+            f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
+            f"{self.step_n * 1e3:.1f} ms (same batch per worker)",
+            f"ideal {self.ideal:.2f}x -> measured {self.measured:.2f}x",
+            f"  {'speedup':>8} {'ms/step':>8}  where it went",
+        ]
+        for loss in [*self.losses, self.unexplained]:
+            lines.append(f"  {-loss.speedup:>+7.2f}x {loss.seconds * 1e3:>8.1f}  {loss.label}")
+        total = self.ideal - sum(x.speedup for x in [*self.losses, self.unexplained])
+        lines.append(f"  {total:>7.2f}x {'':>8}  = measured speedup")
+        if self.actions:
+            lines.append("what to try first:")
+            for i, act in enumerate(self.actions, 1):
+                lines.append(f"  {i}. {act.text} (est. +{act.gain:.2f}x)")
+        return "\n".join(lines)
+
+
+def speedup_account(one: dict[str, Any], many: dict[str, Any]) -> Account:
+    """The account of ``many`` (a profile at world N) against ``one`` (the same script at 1).
+
+    Raises:
+        ValueError: ``one`` is not a world-1 profile, or a profile has no steps.
+    """
+    if one["world_size"] != 1:
+        raise ValueError(f"speedup_account: the baseline profile has world_size "
+                         f"{one['world_size']}; run the script with 1 worker for it")
+    if not one["steps"] or not many["steps"]:
+        raise ValueError("speedup_account: a profile has no steps after warm-up; run more steps")
+    n, att = many["world_size"], many["attribution"]
+    t1, tn = one["phases"]["step"], many["phases"]["step"]
+    base, p1 = att["baseline"], one["phases"]
+
+    def x(seconds: float) -> float:
+        return n * seconds / tn
+
+    losses: list[Loss] = []
+    straggler = att["straggler"]
+    if n > 1:
+        bucket = att["exposed_bucket"]
+        where = f": {_bucket_text(bucket, many)}" if bucket else ""
+        comm = att["exposed_comm_s"] - p1["exposed_comm"]
+        losses.append(Loss("exposed_comm", f"exposed communication{where}", comm, x(comm)))
+        if straggler["rank"] is not None:
+            label = (f"straggler rank {straggler['rank']} in {straggler['phase']} (the others "
+                     f"wait for it)")
+        else:
+            label = "imbalance between ranks (no single straggler)"
+        losses.append(Loss("straggler", label, straggler["waited_s"], x(straggler["waited_s"])))
+    for phase in ("data", "forward", "backward", "optimizer"):
+        d = base[phase] - p1[phase]
+        losses.append(Loss(phase, f"{phase} slower than alone ({p1[phase] * 1e3:.1f} -> "
+                                  f"{base[phase] * 1e3:.1f} ms)", d, x(d)))
+    rest = (tn - t1) - sum(loss.seconds for loss in losses)
+    unexplained = Loss("unexplained", "unexplained (host time outside the measured phases, "
+                                      "timing noise)", rest, x(rest))
+    account = Account(n, t1, tn, float(n), n * t1 / tn, losses, unexplained)
+    account.losses.sort(key=lambda loss: -loss.speedup)
+    account.actions = _actions(account, one, many)[:3]
+    return account
+
+
+def _bucket_text(bucket: dict[str, Any], profile: dict[str, Any]) -> str:
+    who = (f", ready when {bucket['last_param']} arrives {bucket['ready_share']:.0%} into "
+           "backward") if bucket["last_param"] else ""
+    return f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.2f} MB{who})"
+
+
+def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Action]:
+    """Changes derived from the measurements, best estimated gain first."""
+    n, tn, t1 = acc.world_size, acc.step_n, acc.step_1
+    att, loss = many["attribution"], {x.key: x for x in acc.losses}
+    out: list[Action] = []
+
+    def gain(saved_s: float) -> float:
+        return max(0.0, n * t1 / max(tn - saved_s, 1e-9) - acc.measured)
+
+    strag = att["straggler"]
+    if strag["rank"] is not None:
+        r, ms = strag["rank"], strag["phase_excess_s"] * 1e3
+        text = {
+            "data": f"rank {r} waits {ms:.1f} ms longer for data than the others: give its "
+                    "DataLoader more workers (num_workers) or pin_memory/prefetch_factor, or "
+                    "check what else that host runs",
+            "forward": f"rank {r} is {ms:.1f} ms slower in forward: check its device (clock, "
+                       "thermal, another process on it) or its inputs (longer sequences?)",
+            "backward": f"rank {r} is {ms:.1f} ms slower in backward: check its device and "
+                        "its inputs",
+            "optimizer": f"rank {r} is {ms:.1f} ms slower in the optimizer step: check its "
+                         "device",
+        }.get(strag["phase"], f"rank {r} is {ms:.1f} ms slower outside the measured phases "
+                              "(logging, checkpointing, evaluation on that rank only?)")
+        out.append(Action(gain(strag["waited_s"]), text))
+    comm = loss.get("exposed_comm")
+    bucket = att["exposed_bucket"]
+    if comm is not None and comm.seconds > 0.02 * tn:
+        exposed = comm.seconds
+        bw = att["busbw"]
+        bw_text = f" at {bw / 1e9:.2f} GB/s bus bandwidth" if bw > 0 else ""
+        out.append(Action(gain(exposed / 2), (
+            f"{exposed * 1e3:.1f} ms of all-reduce per step is not hidden{bw_text}: "
+            "compress gradients for the wire (model.register_comm_hook(None, "
+            "lockstep.bf16_compress_hook)) to halve the bytes")))
+        if bucket is not None and bucket["last_param"]:
+            out.append(Action(gain(min(exposed, bucket["exposed_s"]) / 2), (
+                f"bucket {bucket['index']} waits for {bucket['last_param']}, whose gradient "
+                "arrives last: a smaller bucket_cap_mb starts the earlier buckets sooner, and a "
+                "large first layer (embedding) is best left to the last, smallest bucket")))
+        work = max(tn - exposed, 1e-9)
+        batch = many.get("batch_size_per_rank")
+        bigger = n * 2 * t1 / (2 * work + exposed) - acc.measured
+        out.append(Action(max(0.0, bigger), (
+            f"communication is fixed per step while compute grows with the batch: double the "
+            f"batch per worker{f' ({batch} -> {2 * batch})' if batch else ''}, or accumulate 2 "
+            "micro-batches under model.no_sync() if memory is short")))
+    opt = loss.get("optimizer")
+    if opt is not None and many["phases"]["optimizer"] > 0.15 * tn:
+        share = many["phases"]["optimizer"] / tn
+        out.append(Action(gain(many["phases"]["optimizer"] * (1 - 1 / n)), (
+            f"the optimizer step is {share:.0%} of the step and every rank repeats it: "
+            "lockstep.ZeroRedundancyOptimizer shards it (or use a fused/foreach optimizer)")))
+    for phase in ("forward", "backward"):
+        grown = loss.get(phase)
+        if grown is not None and grown.seconds > 0.05 * tn:
+            out.append(Action(gain(grown.seconds), (
+                f"{phase} takes {grown.seconds * 1e3:.1f} ms longer per step than on one "
+                "worker alone: the workers compete for the machine (CPU cores, memory "
+                "bandwidth; OMP_NUM_THREADS per worker) or for the device")))
+    if one.get("mode") == "dp" or many.get("mode") == "dp":
+        out.append(Action(0.0, "replace DataParallel with DistributedDataParallel: no "
+                               "replication or gather on device 0 each step"))
+    out.sort(key=lambda a: -a.gain)
+    return out

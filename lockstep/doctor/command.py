@@ -1,0 +1,161 @@
+"""``lockstep doctor``: run a script at world 1 and world N, and explain the speedup.
+
+The script runs unchanged under ``lockstep run``: the doctor only sets ``LOCKSTEP_PROFILE*``
+(see ``env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
+run after ``--steps`` steps. Both runs use the script's own batch per worker, so world N does N
+times the work of world 1 per step. On a machine without GPUs the world-1 run gets one worker's
+share of the cores (``OMP_NUM_THREADS``), as one of N workers would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from lockstep.doctor.account import Account, speedup_account
+from lockstep.doctor.env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
+from lockstep.doctor.profile_file import build_profile, load_ranks, timeline
+from lockstep.doctor.render import plot_timeline, write_trace
+
+__all__ = ["add_doctor_arguments", "run_doctor", "findings_text"]
+
+
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--nproc-per-node", "--nproc_per_node", type=int, default=2, metavar="N",
+        help="workers of the run to explain (default 2); it is compared with 1 worker")
+    add("--steps", type=int, default=40, help="steps each run trains (default 40)")
+    add("--warmup", type=int, default=5, help="first steps left out of the figures (default 5)")
+    add("--out-dir", type=Path, default=Path("doctor"),
+        help="where profile.json, summary.json, timeline.png and trace.json go")
+    add("--no-baseline", action="store_true",
+        help="skip the 1-worker run: attribution only, no speedup account")
+    add("training_script", help="the training script, unchanged")
+    add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
+    from lockstep.cli import build_parser
+    from lockstep.launcher.config import plan_from_args
+    from lockstep.launcher.run import launch, scoped_environ
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("rank*.json"):
+        old.unlink()
+    env = {PROFILE_ENV: str(folder.resolve()), STEPS_ENV: str(args.steps),
+           WARMUP_ENV: str(args.warmup)}
+    if world == 1 and args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            env["OMP_NUM_THREADS"] = str(max(1, cores // args.nproc_per_node))
+    run_args = build_parser().parse_args(
+        ["run", "--nproc-per-node", str(world), args.training_script,
+         *args.training_script_args])
+    plan = plan_from_args(run_args)
+    print(f"lockstep doctor: running {args.training_script} on {world} worker(s) for at most "
+          f"{args.steps} steps", file=sys.stderr, flush=True)
+    with scoped_environ(env):
+        return launch(plan)
+
+
+def findings_text(profile: dict[str, Any]) -> str:
+    """The attribution in words, and the per-bucket table."""
+    att = profile["attribution"]
+    lines = ["findings:"]
+    if profile["world_size"] > 1:
+        s = att["straggler"]
+        if s["rank"] is None:
+            lines.append(f"  no straggler: the ranks wait {s['waited_s'] * 1e3:.1f} ms per step "
+                         "for each other, the slowest one changing from step to step")
+        else:
+            lines.append(f"  straggler: rank {s['rank']}, {s['phase_excess_s'] * 1e3:.1f} ms "
+                         f"slower in {s['phase']}; the others wait {s['waited_s'] * 1e3:.1f} "
+                         f"ms per step for it (slowest in {s['slowest_share']:.0%} of the steps)")
+        total = sum(b["bytes"] for b in profile["buckets"])
+        lines.append(
+            f"  communication: {len(profile['buckets'])} bucket(s), {total / 2**20:.2f} MB per "
+            f"step, {att['allreduce_s'] * 1e3:.1f} ms of all-reduce at "
+            f"{att['busbw'] / 1e9:.3f} GB/s bus bandwidth; backward hid "
+            f"{att['hidden_share']:.0%} of it, {att['exposed_comm_s'] * 1e3:.1f} ms exposed")
+        lines.append(f"  {'bucket':>6} {'MB':>7} {'ready':>9} {'all-reduce':>11} "
+                     f"{'busbw GB/s':>11} {'exposed':>9}  last gradient")
+        for b in profile["buckets"]:
+            lines.append(
+                f"  {b['index']:>6} {b['bytes'] / 2**20:>7.2f} {b['ready'] * 1e3:>6.1f} ms "
+                f"{b['allreduce'] * 1e3:>8.1f} ms {b['busbw'] / 1e9:>11.3f} "
+                f"{b['exposed'] * 1e3:>6.1f} ms  {b['last_param'] or '-'}")
+    per = profile["per_rank"]
+    keys = ("data", "forward", "backward", "exposed_comm", "optimizer", "other", "step")
+    lines.append("  per rank (ms/step): " + "  ".join(f"{k}" for k in keys))
+    for row in per:
+        lines.append(f"    rank {row['rank']}: " + "  ".join(
+            f"{row['phases'][k] * 1e3:.1f}" for k in keys))
+    return "\n".join(lines)
+
+
+def _profile_of(folder: Path) -> dict[str, Any]:
+    ranks = load_ranks(folder)
+    profile = build_profile(ranks)
+    (folder / "profile.json").write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Both runs, then the account, the findings and the pictures; returns the exit status."""
+    n = args.nproc_per_node
+    if n < 1 or args.steps <= args.warmup or args.warmup < 0:
+        print(f"lockstep doctor: error: need --nproc-per-node >= 1 and --steps > --warmup >= 0 "
+              f"(got {n}, {args.steps}, {args.warmup})", file=sys.stderr)
+        return 2
+    out: Path = args.out_dir
+    worlds = [n] if args.no_baseline or n == 1 else [1, n]
+    profiles: dict[int, dict[str, Any]] = {}
+    for world in worlds:
+        rc = _launch(args, world, out / f"world{world}")
+        if rc != 0:
+            print(f"lockstep doctor: the {world}-worker run failed (exit {rc}); see above",
+                  file=sys.stderr)
+            return rc
+        try:
+            profiles[world] = _profile_of(out / f"world{world}")
+        except FileNotFoundError as err:
+            print(f"lockstep doctor: error: {err}", file=sys.stderr)
+            return 1
+    many = profiles[n]
+    account: Account | None = None
+    if 1 in profiles and n > 1:
+        account = speedup_account(profiles[1], many)
+    report = _report(args, many, account)
+    print(report)
+    summary = {"world_size": n, "script": args.training_script,
+               "account": account.to_json() if account else None,
+               "attribution": many["attribution"], "phases": many["phases"],
+               "baseline_phases": profiles[1]["phases"] if 1 in profiles else None}
+    many_out = {**many, "account": summary["account"]}
+    (out / "profile.json").write_text(json.dumps(many_out, indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    ranks = load_ranks(out / f"world{n}")
+    title = (f"{Path(args.training_script).name} on {n} worker(s): last steps"
+             + (f"; speedup {account.measured:.2f}x of {n}x" if account else ""))
+    plot_timeline(many["timeline"], out / "timeline.png", title)
+    write_trace(timeline(ranks), out / "trace.json", Path(args.training_script).name)
+    print(f"wrote {out / 'profile.json'}, {out / 'summary.json'}, {out / 'timeline.png'} and "
+          f"{out / 'trace.json'} (open it in ui.perfetto.dev)")
+    return 0
+
+
+def _report(args: argparse.Namespace, many: dict[str, Any], account: Account | None) -> str:
+    head = (f"\nlockstep doctor: {args.training_script} on {many['world_size']} worker(s) "
+            f"({many['backend']}, {many['device']}), batch {many['batch_size_per_rank']} per "
+            f"worker, {many['steps']} steps after {args.warmup} warm-up")
+    parts = [head]
+    if account is not None:
+        parts.append(account.table())
+    parts.append(findings_text(many))
+    return "\n".join(parts)

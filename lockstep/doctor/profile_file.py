@@ -1,0 +1,192 @@
+"""``profile.json`` (docs/profile-format.md) built from every rank's ``rank<R>.json``.
+
+The ranks' steps are aligned by index (every rank runs the same steps), warm-up steps dropped,
+and bucket events put on one clock: ``time.perf_counter`` is one clock for every process of a
+machine; ranks on different machines are placed with each one's wall-clock offset.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lockstep.doctor.records import PHASES, phases_of
+
+__all__ = ["load_ranks", "step_matrix", "bucket_stats", "build_profile", "busbw", "timeline",
+           "TIMELINE_STEPS"]
+
+TIMELINE_STEPS = 4  # steps per rank kept in profile.json for the timeline and the trace
+
+
+def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
+    """Every ``rank<R>.json`` in ``folder``, ordered by rank.
+
+    Raises:
+        FileNotFoundError: none was written (the message says why that happens).
+    """
+    paths = sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:] or 0))
+    if not paths:
+        raise FileNotFoundError(
+            f"no rank*.json in {folder}: the script built no lockstep.DistributedDataParallel "
+            "(wrap the model with it, or with lockstep.Runtime.wrap, even at world 1), or it "
+            "ended before its first step"
+        )
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _offsets(ranks: list[dict[str, Any]]) -> list[float]:
+    """Per-rank shift onto one clock: none on one machine, wall-clock offsets across machines."""
+    if len({r["host"] for r in ranks}) == 1:
+        return [0.0] * len(ranks)
+    return [r["wall_offset"] - ranks[0]["wall_offset"] for r in ranks]
+
+
+def aligned_steps(ranks: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``[rank][step]`` raw steps after warm-up, truncated to the steps every rank has."""
+    kept = [r["steps"][r.get("warmup", 0):] for r in ranks]
+    n = min(len(k) for k in kept)
+    return [k[len(k) - n:] for k in kept]  # the most recent n: ranks may differ by a partial step
+
+
+def step_matrix(ranks: list[dict[str, Any]]) -> list[list[dict[str, float]]]:
+    """``[rank][step]`` seconds per phase (plus ``step``), aligned across ranks."""
+    return [[phases_of(s) for s in steps] for steps in aligned_steps(ranks)]
+
+
+def busbw(nbytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth (nccl-tests): algorithm bandwidth ``bytes/s`` times ``2(n-1)/n``."""
+    if seconds <= 0 or world_size < 2:
+        return 0.0
+    return nbytes / seconds * 2 * (world_size - 1) / world_size
+
+
+def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Per bucket: size, parameters, mean ready time, all-reduce time, bus bandwidth, exposure.
+
+    Exposure is read on each step's ``critical`` rank (the slowest one): the others' waits
+    include waiting for it, which is not communication. The all-reduce of one step lasts from the last rank's launch (a collective cannot progress
+    before that) to the last rank's completion; the rank that launched last measures the wire.
+    """
+    layout = {b["index"]: b for b in ranks[0].get("buckets", [])}
+    steps, offsets = aligned_steps(ranks), _offsets(ranks)
+    acc: dict[int, dict[str, list[float]]] = {}
+    last: dict[int, dict[str, int]] = {}
+    for k in range(len(steps[0]) if steps else 0):
+        per_bucket: dict[int, list[tuple[dict[str, Any], float, list[float]]]] = {}
+        for r, rank_steps in enumerate(steps):
+            step = rank_steps[k]
+            if not step["backwards"] or not step["buckets"]:
+                continue
+            bwd = step["backwards"][-1]
+            previous = bwd[1]  # exposure starts when backward compute ends
+            for ev in step["buckets"]:
+                per_bucket.setdefault(ev["index"], []).append((ev, offsets[r], bwd))
+                if ev["waited"] is not None and (critical is None or critical[k] == r):
+                    exposed = max(0.0, ev["waited"] - max(previous, bwd[1]))
+                    acc.setdefault(ev["index"], {}).setdefault("exposed", []).append(exposed)
+                    previous = max(previous, ev["waited"])
+        for index, seen in per_bucket.items():
+            a = acc.setdefault(index, {})
+            for ev, off, bwd in seen:
+                if ev["ready"] is not None:
+                    a.setdefault("ready", []).append(ev["ready"] - bwd[0])
+                    span = bwd[1] - bwd[0]
+                    if span > 0:
+                        a.setdefault("ready_share", []).append((ev["ready"] - bwd[0]) / span)
+                if ev["last_param"]:
+                    names = last.setdefault(index, {})
+                    names[ev["last_param"]] = names.get(ev["last_param"], 0) + 1
+            launches = [ev["launch"] + off for ev, off, _ in seen if ev["launch"] is not None]
+            dones = [_done(ev) + off for ev, off, _ in seen if _done(ev) is not None]
+            if len(launches) == len(seen) == len(dones):
+                a.setdefault("allreduce", []).append(max(0.0, max(dones) - max(launches)))
+    world = ranks[0]["world_size"]
+    out = []
+    for index in sorted(set(layout) | set(acc)):
+        info, a = layout.get(index, {"bytes": 0, "params": []}), acc.get(index, {})
+        seconds = _mean(a.get("allreduce"))
+        names = last.get(index, {})
+        out.append({
+            "index": index, "bytes": info["bytes"], "params": info["params"],
+            "ready": _mean(a.get("ready")), "ready_share": _mean(a.get("ready_share")),
+            "allreduce": seconds,
+            "busbw": busbw(info["bytes"], seconds, world),
+            "exposed": _mean(a.get("exposed")),
+            "last_param": max(names, key=lambda n: names[n]) if names else None,
+        })
+    return out
+
+
+def _done(ev: dict[str, Any]) -> float | None:
+    # The future's callback may run just after the waiter wakes: the wait's end bounds it.
+    done, waited = ev["done"], ev["waited"]
+    if done is None:
+        return waited
+    return done if waited is None else min(done, waited)
+
+
+def _mean(values: list[float] | None) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def _phase_means(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = (*PHASES, "step")
+    return {k: _mean([row[k] for row in rows]) for k in keys}
+
+
+def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``profile.json`` object for one run (format and extra fields: see the docs)."""
+    from lockstep.doctor.attribution import attribute, critical_steps
+
+    first = ranks[0]
+    matrix = step_matrix(ranks)
+    critical = critical_steps(matrix) if matrix and matrix[0] else None
+    per_rank = [
+        {"rank": r["rank"], "host": r["host"], "phases": _phase_means(rows)}
+        for r, rows in zip(ranks, matrix)
+    ]
+    everything = [row for rows in matrix for row in rows]
+    buckets = bucket_stats(ranks, critical) if first["world_size"] > 1 else []
+    profile: dict[str, Any] = {
+        "format": "lockstep-profile", "version": 1, "world_size": first["world_size"],
+        "backend": first["backend"], "device": first["device"], "torch": first["torch"],
+        "mode": first.get("mode", "ddp"), "batch_size_per_rank": first["batch_size_per_rank"],
+        "steps": len(matrix[0]) if matrix else 0, "model": first["model"],
+        "phases": _phase_means(everything), "buckets": buckets, "per_rank": per_rank,
+    }
+    if first.get("device_name"):
+        profile["device_name"] = first["device_name"]
+    profile["attribution"] = attribute(profile, matrix).to_json()
+    profile["timeline"] = timeline(ranks, TIMELINE_STEPS)
+    return profile
+
+
+def timeline(ranks: list[dict[str, Any]], last: int | None = None) -> dict[str, Any]:
+    """The ``last`` aligned steps (all: None) of every rank on one clock, seconds from the first."""
+    steps, offsets = aligned_steps(ranks), _offsets(ranks)
+    chosen = [s[-last:] if last else s for s in steps]
+    if not chosen or not chosen[0]:
+        return {"ranks": []}
+    zero = min(s[0]["begin"] + off for s, off in zip(chosen, offsets))
+
+    def shift(x: float | None, off: float) -> float | None:
+        return None if x is None else x + off - zero
+
+    out = []
+    for rank_steps, off in zip(chosen, offsets):
+        rows = []
+        for s in rank_steps:
+            rows.append({
+                "begin": shift(s["begin"], off), "end": shift(s["end"], off),
+                "forwards": [[shift(x, off) for x in span] for span in s["forwards"]],
+                "backwards": [[shift(x, off) for x in span] for span in s["backwards"]],
+                "optimizer": [[shift(x, off) for x in span] for span in s["optimizer"]],
+                "buckets": [{**ev, **{k: shift(ev[k], off) for k in
+                                      ("ready", "launch", "done", "waited")}}
+                            for ev in s["buckets"]],
+            })
+        out.append(rows)
+    return {"ranks": out}

@@ -1,0 +1,336 @@
+"""The per-rank profiler: marks from the DDP wrapper, its reducer and the optimizer, per step.
+
+Cheap enough to leave on: a handful of clock reads per step, one more per bucket, and one
+callback on each all-reduce's future. Nothing synchronises a device (see ``stamps.py``) and
+nothing is gathered across ranks except, every ``gather_every`` steps, one small asynchronous
+all-gather of per-rank means whose result is read ``gather_every`` steps later.
+
+The optimizer step is found without user code: torch's global optimizer step hooks are installed
+while profiling is on, and they only time optimizers that hold this model's parameters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from lockstep.doctor.records import PHASES, BucketEvents, StepRecord, StepTiming, phases_of
+from lockstep.doctor.stamps import Stamp, Stamps
+
+__all__ = ["Recorder"]
+
+logger = logging.getLogger(__name__)
+
+Layout = Callable[[], list[dict[str, Any]]]
+
+
+class Recorder:
+    """Records every step of one model on this rank.
+
+    Args:
+        device: the model's device (CUDA events are used on CUDA).
+        params: the model's parameters, to recognise its optimizer.
+        group: the process group (None: no cross-rank gathers).
+        layout: returns the current bucket layout ``[{"index", "bytes", "params"}]``.
+        model_info: the ``model`` entry of the profile format.
+        out_dir: write ``rank<R>.json`` here at exit (and when ``max_steps`` is reached).
+        max_steps: after this many steps, save and end the process (``lockstep doctor``).
+        warmup: first steps left out of summaries (bucket rebuild, allocator, caches).
+        gather_every: steps between cross-rank summaries logged on rank 0 (0: never).
+        history: most recent steps kept (older ones are dropped; summaries use what is kept).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        params: Iterable[torch.Tensor] = (),
+        group: dist.ProcessGroup | None = None,
+        layout: Layout | None = None,
+        model_info: dict[str, Any] | None = None,
+        out_dir: str | os.PathLike | None = None,
+        max_steps: int | None = None,
+        warmup: int = 5,
+        gather_every: int = 0,
+        history: int = 2000,
+    ) -> None:
+        if warmup < 0 or gather_every < 0 or history < 1 or (max_steps is not None and max_steps < 1):
+            raise ValueError(
+                f"Recorder: warmup={warmup}, gather_every={gather_every}, history={history}, "
+                f"max_steps={max_steps}: need warmup >= 0, gather_every >= 0, history >= 1, "
+                "max_steps >= 1 or None"
+            )
+        self.device = device
+        self.stamps = Stamps(device)
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.layout = layout or (lambda: [])
+        self.model_info = model_info or {}
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.max_steps, self.warmup, self.gather_every = max_steps, warmup, gather_every
+        self.steps: collections.deque[StepRecord] = collections.deque(maxlen=history)
+        self.step_count = 0
+        self.batch_size: int | None = None
+        self.gathers_paused = False
+        self.latest_ranks: list[dict[str, float]] = []  # the last cross-rank summary
+        self._pending: list[StepRecord] = []  # closed steps whose CUDA events are not resolved
+        self._iterations: collections.deque[tuple[Stamp, Stamp, Stamp, Stamp, Stamp]] = (
+            collections.deque(maxlen=history))
+        self._cur = StepRecord(begin=time.perf_counter())
+        self._fwd: list[Any] = []
+        self._bwd: list[Any] | None = None
+        self._bucket_events: dict[int, BucketEvents] = {}
+        self._optimizer_seen = False
+        self._param_ids = {id(p) for p in params}
+        self._ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._gather: tuple[Any, torch.Tensor] | None = None
+        self._opt_start: Stamp | None = None
+        self._handles = [
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self._saved_at = -1
+        if self.out_dir is not None:
+            atexit.register(self.save)
+
+    # ---- forward and backward (called by the DDP wrapper and its reducer) ----------------
+    def forward_started(self, inputs: Any = None) -> None:
+        now = self.stamps.now()
+        if self._cur.synced and not self._optimizer_seen:
+            # No optimizer of this model was seen: the step ended with its last backward.
+            self._close(self._cur.backwards[-1][2])
+        if self.batch_size is None and inputs is not None:
+            self.batch_size = _batch_size(inputs)
+        self._fwd = [now, now, now]
+        self._cur.forwards.append(self._fwd)
+        self._bwd = None
+
+    def forward_synced(self) -> None:
+        """The forward's collectives (buffer broadcast) are done; the module runs next."""
+        self._fwd[1] = self.stamps.now()
+
+    def forward_ended(self) -> None:
+        self._fwd[2] = self.stamps.now()
+
+    def backward_started(self) -> None:
+        if self._bwd is None:
+            now = self.stamps.now()
+            self._bwd = [now, None, None]
+            self._bucket_events = {}
+
+    def backward_compute_ended(self) -> None:
+        """The last gradient of this backward has been computed (the reduction's wait follows)."""
+        if self._bwd is not None and self._bwd[1] is None:
+            self._bwd[1] = self.stamps.now()
+
+    def add_exposed(self, seconds: float) -> None:
+        """Kept for the reducer's older call; exposed time is measured from the marks."""
+
+    def backward_ended(self, synced: bool = True) -> None:
+        """Backward (and, if ``synced``, the gradient reduction) finished."""
+        if self._bwd is None:
+            self.backward_started()
+        bwd = self._bwd
+        assert bwd is not None
+        bwd[2] = self.stamps.now()
+        if bwd[1] is None:
+            bwd[1] = bwd[2]
+        self._cur.backwards.append(bwd)
+        self._cur.buckets.extend(self._bucket_events[i] for i in sorted(self._bucket_events))
+        self._bucket_events = {}
+        self._iterations.append((self._fwd[0], self._fwd[2], bwd[0], bwd[1], bwd[2]))
+        self._cur.synced = self._cur.synced or synced
+        self._bwd = None
+
+    # ---- buckets (called by the reducer) --------------------------------------------------
+    def bucket_ready(self, index: int, last_param: str | None = None) -> None:
+        ev = self._bucket_events.setdefault(index, BucketEvents(index))
+        ev.ready, ev.last_param = time.perf_counter(), last_param
+
+    def bucket_launched(self, index: int) -> None:
+        self._bucket_events.setdefault(index, BucketEvents(index)).launch = time.perf_counter()
+
+    def watch_bucket(self, index: int, future: torch.futures.Future) -> None:
+        """Stamp the bucket's completion when the comm hook's future completes."""
+        ev = self._bucket_events.setdefault(index, BucketEvents(index))
+
+        def completed(_: torch.futures.Future) -> None:
+            ev.done = time.perf_counter()
+
+        future.then(completed)
+
+    def bucket_waited(self, index: int) -> None:
+        self._bucket_events.setdefault(index, BucketEvents(index)).waited = time.perf_counter()
+
+    # ---- optimizer (torch's global step hooks, filtered to this model's optimizers) -------
+    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._ours.get(optimizer)
+        if known is None:
+            known = any(id(p) in self._param_ids
+                        for g in optimizer.param_groups for p in g["params"])
+            self._ours[optimizer] = known
+        return known
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._is_ours(optimizer):
+            self._opt_start = self.stamps.now()
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._opt_start is None or not self._is_ours(optimizer):
+            return
+        end = self.stamps.now()
+        self._cur.optimizer.append([self._opt_start, end])
+        self._opt_start = None
+        self._optimizer_seen = True
+        if self._cur.synced:
+            self._close(end)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def _close(self, end: Stamp) -> None:
+        record = self._cur
+        record.end = end  # type: ignore[assignment]
+        self._cur = StepRecord(begin=end)  # type: ignore[arg-type]
+        self._pending.append(record)
+        self._resolve(wait=False)
+        self.step_count += 1
+        if self.gather_every and self.step_count % self.gather_every == 0:
+            self._periodic_gather()
+        if self.max_steps is not None and self.step_count >= self.max_steps:
+            self.save()
+            raise SystemExit(0)  # lockstep doctor: the bounded run is over on every rank
+
+    def _resolve(self, wait: bool) -> None:
+        """Move closed steps whose marks are all known into :attr:`steps`, in order."""
+        while self._pending:
+            record = self._pending[0]
+            marks = [record.begin, record.end, *_flat(record.forwards),
+                     *_flat(record.backwards), *_flat(record.optimizer)]
+            if not wait and not all(self.stamps.done(m) for m in marks):
+                return
+            r = self.stamps.resolve
+            record.begin, record.end = r(record.begin, wait), r(record.end, wait)
+            for spans in (record.forwards, record.backwards, record.optimizer):
+                for span in spans:
+                    span[:] = [r(m, wait) for m in span]
+            self.steps.append(self._pending.pop(0))
+
+    def step_phases(self, skip_warmup: bool = True) -> list[dict[str, float]]:
+        """Seconds per phase of every kept step (see :func:`~lockstep.doctor.records.phases_of`)."""
+        self._resolve(wait=True)
+        steps = list(self.steps)
+        first = self.step_count - len(self._pending) - len(steps)  # index of steps[0]
+        drop = max(0, self.warmup - first) if skip_warmup else 0
+        return [phases_of(s.to_json()) for s in steps[drop:]]
+
+    @property
+    def step_timings(self) -> list[StepTiming]:
+        """One :class:`StepTiming` per backward pass (``no_sync`` ones included)."""
+        r = self.stamps.resolve
+        out = []
+        for f0, f1, b0, b1, b2 in self._iterations:
+            out.append(StepTiming(r(f1, True) - r(f0, True), r(b2, True) - r(b0, True),
+                                  r(b2, True) - r(b1, True)))
+        return out
+
+    # ---- cross-rank summaries --------------------------------------------------------------
+    def _periodic_gather(self) -> None:
+        """Every ``gather_every`` steps: read the previous gather, start the next one (async)."""
+        if self.group is None or self.world_size == 1 or self.gathers_paused:
+            return
+        if self._gather is not None:
+            work, table = self._gather
+            work.wait()  # issued gather_every steps ago: long complete
+            self._log_ranks(table.view(self.world_size, -1).tolist())
+        recent = self.step_phases()[-self.gather_every:]
+        keys = (*PHASES, "step")
+        local = torch.tensor([sum(p[k] for p in recent) / max(1, len(recent)) for k in keys],
+                             dtype=torch.float64)
+        if dist.get_backend(self.group) == "nccl":
+            local = local.to(self.device)
+        table = torch.empty(self.world_size * len(keys), dtype=local.dtype, device=local.device)
+        work = dist.all_gather_into_tensor(table, local, group=self.group, async_op=True)
+        self._gather = (work, table)
+
+    def _log_ranks(self, rows: list[list[float]]) -> None:
+        from lockstep.doctor.attribution import straggler_from_means
+
+        keys = (*PHASES, "step")
+        self.latest_ranks = [dict(zip(keys, row)) for row in rows]
+        if self.rank == 0:
+            finding = straggler_from_means(self.latest_ranks)
+            logger.info("lockstep profile, step %d: %s", self.step_count, finding.sentence())
+
+    def payload(self) -> dict[str, Any]:
+        """This rank's raw profile (what ``rank<R>.json`` holds)."""
+        self._resolve(wait=True)
+        first = self.step_count - len(self.steps)
+        backend = str(dist.get_backend(self.group)) if self.group is not None else None
+        return {
+            "format": "lockstep-profile-rank", "version": 1, "rank": self.rank,
+            "world_size": self.world_size, "host": socket.gethostname(), "backend": backend,
+            "device": self.device.type, "device_name": _device_name(self.device),
+            "torch": torch.__version__.split("+")[0], "mode": "ddp",
+            "batch_size_per_rank": self.batch_size, "model": self.model_info,
+            "buckets": self.layout(), "warmup": max(0, self.warmup - first),
+            "wall_offset": time.time() - time.perf_counter(),
+            "steps": [s.to_json() for s in self.steps],
+        }
+
+    def save(self) -> Path | None:
+        """Write ``rank<R>.json`` into ``out_dir`` (once per new step); returns its path."""
+        if self.out_dir is None or self._saved_at == self.step_count:
+            return None
+        self._saved_at = self.step_count
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.payload()))
+        tmp.replace(path)
+        return path
+
+    def close(self) -> None:
+        """Stop recording: remove the optimizer hooks (and save, if ``out_dir`` is set)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.out_dir is not None:
+            self.save()
+            atexit.unregister(self.save)
+
+
+def _flat(spans: list[list[Any]]) -> list[Any]:
+    return [m for span in spans for m in span]
+
+
+def _batch_size(inputs: Any) -> int | None:
+    stack = [inputs]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            return int(obj.shape[0]) if obj.dim() > 0 else None
+        if isinstance(obj, (list, tuple)):
+            stack.extend(reversed(obj))
+        elif isinstance(obj, dict):
+            stack.extend(reversed(list(obj.values())))
+    return None
+
+
+def _device_name(device: torch.device) -> str | None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return None

@@ -1,0 +1,62 @@
+"""`lockstep doctor` end to end on the demo: both runs, the table, the files.
+
+Two launches (1 and 2 workers) of examples/train_gpt.py with a tiny model, stopped by the doctor
+after a few steps: the slowest test of the doctor (the launcher's start-up dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Building the first optimizer imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR; import it
+# before conftest's environment-leak check takes its snapshot.
+import torch._dynamo  # noqa: F401
+
+from lockstep.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--max-steps", "30", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size",
+    "32", "--eval-interval", "100", "--eval-blocks", "8", "--max-files", "10",
+    "--sample-chars", "0", "--device", "cpu",
+]
+
+
+def test_doctor_parser_takes_the_script_and_its_arguments():
+    args = build_parser().parse_args(["doctor", "--nproc-per-node", "3", "train.py", "--lr", "1"])
+    assert (args.nproc_per_node, args.training_script, args.training_script_args) == (
+        3, "train.py", ["--lr", "1"])
+    assert args.steps == 40 and args.warmup == 5
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_doctor_on_the_demo(tmp_path):
+    out = tmp_path / "doctor"
+    cmd = [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "2", "--steps", "12",
+           "--warmup", "3", "--out-dir", str(out), str(ROOT / "examples" / "train_gpt.py"),
+           *TINY, "--out-dir", str(tmp_path / "demo")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout
+    assert "ideal 2.00x -> measured" in text and "= measured speedup" in text
+    assert "unexplained" in text and "what to try first:" in text
+    assert "bucket" in text and "busbw" in text
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["format"] == "lockstep-profile" and profile["world_size"] == 2
+    assert profile["steps"] == 12 - 3 and profile["batch_size_per_rank"] == 16
+    assert profile["account"]["ideal"] == 2.0 and profile["buckets"]
+    assert json.loads((out / "world1" / "profile.json").read_text())["world_size"] == 1
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert {"forward", "backward", "optimizer", "all-reduce bucket 0"} <= names
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["account"]["measured"] > 0
