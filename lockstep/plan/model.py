@@ -177,7 +177,8 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     extra = extra_cost.seconds
     link_s += extra
     exposed_total = exposed + extra + (forward - workload.forward)
-    step = workload.data + forward + workload.backward + exposed + optimizer + extra
+    step = (workload.data + forward + workload.backward + exposed + optimizer + extra
+            + workload.other)
     batch = workload.batch_size or 1
     memory = model_state_memory(workload.parameters, world,
                                 strategy.zero_stage, mixed_precision=mixed,
@@ -192,7 +193,7 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         exposed_comm_s=exposed_total, comm_s=link_s, memory=memory, binding=binding,
         algorithm=algorithm, fits=fits, exact=strategy.exact,
         detail={"forward_s": forward, "backward_s": workload.backward, "optimizer_s": optimizer,
-                "data_s": workload.data, "exposed_after_backward_s": exposed,
+                "data_s": workload.data, "other_s": workload.other, "exposed_after_backward_s": exposed,
                 "outside_backward_s": extra, "last_bucket_s": last},
     )
 

@@ -106,7 +106,8 @@ def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -
     out = [
         (f"workload from {workload.source}: per GPU and step, data {workload.data * 1e3:.2f} ms, "
         f"forward {workload.forward * 1e3:.2f} ms, backward {workload.backward * 1e3:.2f} ms, "
-        f"optimizer {workload.optimizer * 1e3:.2f} ms, batch {workload.batch_size}"),
+        f"optimizer {workload.optimizer * 1e3:.2f} ms, other {workload.other * 1e3:.2f} ms, "
+         f"batch {workload.batch_size}"),
         (f"{workload.parameters:,} parameters, {workload.grad_dtype} gradients in "
         f"{len(workload.buckets)} buckets"),
         f"links: {topology.describe()}",

@@ -49,25 +49,46 @@ def throttled_link(link: Link, bandwidth: float) -> Link:
 
 
 def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
-                    steps: int, batch_size: int | None) -> dict:
-    from lockstep.plan.profiler import profile_model
-
+                    steps: int, batch_size: int | None, source: str) -> dict:
     torch.manual_seed(0)
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    return profile_model(model, make_batch(), loss_fn, opt, steps=steps, warmup=3,
-                         batch_size=batch_size)
+    if source == "planner":
+        from lockstep.plan.profiler import profile_model
+
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        return profile_model(model, make_batch(), loss_fn, opt, steps=steps, warmup=3,
+                             batch_size=batch_size)
+    import lockstep
+    from lockstep.doctor.api import gather_report
+
+    lockstep.init_distributed()
+    ddp = lockstep.DistributedDataParallel(build())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x, y = make_batch()
+    recorder = ddp.enable_profiling(warmup=3)
+    for _ in range(3 + steps):
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    return gather_report(recorder)
 
 
 def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, steps: int = 10,
                    batch_size: int | None = None, path: str | None = None,
-                   timeout: float = 300.0) -> dict:
-    """A world-1 profile measured in a fresh one-thread process (as the ranks will run)."""
+                   source: str = "doctor", timeout: float = 300.0) -> dict:
+    """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
+
+    ``source="doctor"`` records it with ``lockstep.profile``'s recorder (the doctor's);
+    ``"planner"`` with :func:`lockstep.plan.profiler.profile_model`, which also times when each
+    gradient arrives, so the buckets carry measured ready times.
+    """
     import json
 
     from lockstep.multiproc import spawn
 
-    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size),
+    if source not in ("doctor", "planner"):
+        raise ValueError(f"profile source must be 'doctor' or 'planner', got {source!r}")
+    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size, source),
                 timeout=timeout)[0]
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:
@@ -93,16 +114,15 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
         loss_fn(model(x), y).backward()
         opt.step()
     model.enable_step_timing()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):  # no barrier per step: the all-reduces keep the ranks in step
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-        times.append(time.perf_counter() - start)
+    step_s = (time.perf_counter() - start) / steps
     exposed = statistics.median(t.exposed_comm_s for t in model.step_timings)
-    return {"step_s": statistics.median(times), "exposed_s": exposed}
+    return {"step_s": step_s, "exposed_s": exposed}
 
 
 def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world: int, *,

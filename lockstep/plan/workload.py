@@ -54,6 +54,7 @@ class Workload:
     backward: float
     optimizer: float = 0.0
     data: float = 0.0
+    other: float = 0.0  # the rest of the profiled step (Python, zero_grad, hooks): never hidden
     batch_size: int | None = None
     buckets: tuple[Bucket, ...] = ()
     device: str = "cuda"
@@ -66,7 +67,7 @@ class Workload:
             raise ValueError(f"parameter count must be positive, got {self.parameters}")
         if self.grad_dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.grad_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-        for name in ("forward", "backward", "optimizer", "data"):
+        for name in ("forward", "backward", "optimizer", "data", "other"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} time must be >= 0 s, got {getattr(self, name)}")
         if not self.buckets:
@@ -79,7 +80,7 @@ class Workload:
     @property
     def compute(self) -> float:
         """Seconds of a step on one GPU with no communication at all."""
-        return self.data + self.forward + self.backward + self.optimizer
+        return self.data + self.forward + self.backward + self.optimizer + self.other
 
     def with_batch(self, batch_size: int) -> Workload:
         """The same model at another per-GPU batch: data, forward and backward scale linearly."""
@@ -88,6 +89,7 @@ class Workload:
         k = batch_size / self.batch_size
         buckets = tuple(Bucket(b.nbytes, b.ready * k) for b in self.buckets)
         return replace(self, batch_size=batch_size, data=self.data * k, forward=self.forward * k,
+                       other=self.other * k,
                        backward=self.backward * k, buckets=buckets)
 
 
@@ -175,11 +177,15 @@ def load_profile(path: str | Path) -> Workload:
         link = Link("measured", float(doc["link"]["alpha"]), float(doc["link"]["beta"]),
                     f"measured ({path})")
     device = str(doc.get("device") or "cpu")
+    known = sum(float(phases.get(k, 0.0)) for k in ("data", "forward", "backward", "optimizer",
+                                                    "exposed_comm"))
+    # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
+    other = max(0.0, float(phases.get("step", known)) - known)
     return Workload(
         parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
         forward=float(phases["forward"]), backward=float(phases["backward"]),
         optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
-        batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
+        other=other, batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
         device=device.split(":")[0], source=path, link=link,
         notes=() if buckets else (("synthetic buckets: the profile lists none (world 1?), so DDP's "
                                   "1 MB + 25 MB buckets are assumed, ready uniformly over backward"),),

@@ -1,0 +1,61 @@
+"""The planner against real runs on gloo: link measurement, profiles, predicted vs measured.
+
+Timings on a shared CPU are noisy, so the checks that compare a prediction with a run use a
+throttled comm hook (sleeps, which CPU load barely changes) that makes communication dominate,
+and generous tolerances; the side-by-side figures are benchmarks/bench_plan.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.plan import load_profile, measure_link
+from lockstep.plan.validate import measure_ddp, predict_ddp, profile_world1, throttled_link
+
+pytestmark = pytest.mark.multirank
+
+
+def build() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))  # ~2 MB of grads
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source", ["doctor", "planner"])
+def test_world1_profiles_load_as_workloads(tmp_path, source):
+    path = tmp_path / "profile.json"
+    doc = profile_world1(build, make_batch, loss_fn, steps=3, batch_size=16, path=str(path),
+                         source=source, timeout=100)
+    assert json.loads(path.read_text())["world_size"] == 1
+    w = load_profile(path)
+    assert w.parameters == sum(p.numel() for p in build().parameters())
+    assert w.forward > 0 and w.backward > 0 and w.batch_size == 16
+    if source == "planner":  # measured ready times, in launch order within backward
+        ready = [b["ready"] for b in doc["buckets"]]
+        assert ready == sorted(ready) and sum(b["bytes"] for b in doc["buckets"]) == w.grad_bytes
+
+
+@pytest.mark.timeout(180)
+def test_predicted_exposed_communication_matches_a_throttled_run():
+    throttle = 20e6  # bytes/s: 2 MB of gradients take ~100 ms at world 2
+    profile = profile_world1(build, make_batch, loss_fn, steps=5, batch_size=16, timeout=100)
+    link = measure_link(2, sizes=(256 << 10, 4 << 20, 32 << 20), repeats=3, timeout=100)
+    assert link.alpha >= 0 and link.beta > 0 and link.name == "measured"
+    pred = predict_ddp(profile, throttled_link(link, throttle), 2)
+    got = measure_ddp(build, make_batch, loss_fn, 2, steps=5, throttle=throttle, timeout=100)
+    # Generous bounds: the throttle's sleeps dominate, but the CPU is shared.
+    assert 0.5 < pred.exposed_comm_s / got["exposed_s"] < 2.0, (pred.exposed_comm_s, got)
+    assert 0.5 < pred.step_s / got["step_s"] < 2.0, (pred.step_s, got)
