@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.plan import load_profile, measure_link
-from lockstep.plan.validate import measure_ddp, predict_ddp, profile_world1, throttled_link
+from lockstep.plan.validate import (
+    measure_ddp,
+    predict_ddp,
+    profile_world1,
+    throttled_link,
+)
 
 pytestmark = pytest.mark.multirank
 
