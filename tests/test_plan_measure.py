@@ -64,3 +64,35 @@ def test_predicted_exposed_communication_matches_a_throttled_run():
     # Generous bounds: the throttle's sleeps dominate, but the CPU is shared.
     assert 0.5 < pred.exposed_comm_s / got["exposed_s"] < 2.0, (pred.exposed_comm_s, got)
     assert 0.5 < pred.step_s / got["step_s"] < 2.0, (pred.step_s, got)
+
+
+def _adam_state_bytes(rank: int, zero: bool) -> dict:
+    import lockstep
+
+    lockstep.init_distributed()
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    model = lockstep.DistributedDataParallel(net)
+    if zero:
+        opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    # Adam's moments; its per-tensor step counters are not model-sized state.
+    state = sum(v.numel() * v.element_size() for s in opt.state.values()
+                for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor))
+    return {"state": state, "params": sum(p.numel() for p in net.parameters())}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [False, True])
+def test_optimizer_state_memory_matches_what_zero_holds(zero):
+    from lockstep.multiproc import spawn
+    from lockstep.plan import model_state_memory
+
+    rows = spawn(_adam_state_bytes, 2, (zero,), timeout=100)
+    psi = rows[0]["params"]
+    want = model_state_memory(psi, 2, 1 if zero else 0, mixed_precision=False).optimizer
+    for row in rows:  # equal tensors: ZeRO's partition splits them evenly
+        assert row["state"] == pytest.approx(want, rel=0.02)

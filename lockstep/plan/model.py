@@ -98,7 +98,7 @@ def _codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
 def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Strategy,
                    options: PlanOptions) -> tuple[float, float, list[Cost], float]:
     """(exposed seconds after backward, link seconds, the costs, last bucket's cost)."""
-    buckets = sorted(workload.buckets, key=lambda b: b.ready)
+    buckets = workload.buckets  # launch order: a bucket waits for the one before it
     if strategy.averages_parameters or strategy.data_parallel or world <= 1:
         return 0.0, 0.0, [], 0.0
     costs: list[Cost] = []

@@ -86,7 +86,7 @@ def save_png(plan: Plan, path: str) -> None:
     ax.set_xscale("log", base=2)
     gpus = sorted({p.gpus for p in plan.predictions})
     ax.set_xticks(gpus, [str(g) for g in gpus])
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, max([105.0] + [p.efficiency * 100 + 5 for p in plan.predictions]))
     ax.set_xlabel("GPUs")
     ax.set_ylabel("scaling efficiency (%)")
     ax.set_title(f"Predicted scaling: {plan.topology.describe()}", fontsize=9)
