@@ -240,3 +240,28 @@ def test_cli_what_if_and_errors(capsys):
     assert "--params" in capsys.readouterr().err
     assert main(["plan", "missing.json"]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, monkeypatch):
+    from lockstep.plan import measure
+
+    calls = []
+
+    def fake(nproc):
+        calls.append(nproc)
+        return Link("measured", 1e-3, 1e8)
+
+    monkeypatch.setattr(measure, "measure_link", fake)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    assert main(["plan", str(path), "--measure-link", "--nproc", "3", "--gpus", "2,3",
+                 "--strategies", "ddp", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert calls == [3]
+    assert doc["topology"]["intra"]["name"] == "measured" and doc["topology"]["gpus_per_node"] == 3
+    # With --link, 'measured' is one of the link names.
+    assert main(["plan", str(path), "--measure-link", "--link", "measured:2,eth10", "--gpus", "4",
+                 "--strategies", "ddp", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["topology"]["intra"]["name"] == "measured"
+    assert doc["topology"]["inter"]["name"] == "eth10"
