@@ -265,3 +265,25 @@ def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, 
     doc = json.loads(capsys.readouterr().out)
     assert doc["topology"]["intra"]["name"] == "measured"
     assert doc["topology"]["inter"]["name"] == "eth10"
+
+
+def test_planner_profiler_times_gradients_into_buckets(tmp_path):
+    import torch
+    from torch import nn
+
+    from lockstep.plan.profiler import profile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 64), torch.randn(8, 64))
+    doc = profile_model(model, batch, torch.nn.functional.mse_loss, opt, steps=2, warmup=1,
+                        bucket_cap_mb=0.1, batch_size=8)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    w = load_profile(path)
+    assert w.parameters == sum(p.numel() for p in model.parameters()) and w.batch_size == 8
+    ready = [b["ready"] for b in doc["buckets"]]
+    assert len(ready) > 1 and ready == sorted(ready)  # launch order = arrival order
+    assert doc["buckets"][0]["params"][0] == "2.bias"  # the last layer's gradients come first
+    assert sum(b["bytes"] for b in doc["buckets"]) == w.grad_bytes
