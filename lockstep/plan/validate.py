@@ -12,6 +12,7 @@ bandwidth in series with the real one, as a slow network would be.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,21 +24,37 @@ from lockstep.plan.model import PlanOptions, Prediction, predict
 from lockstep.plan.strategies import parse_strategy
 from lockstep.plan.workload import Workload, load_profile
 
-__all__ = ["measure_ddp", "predict_ddp", "profile_world1", "throttle_hook", "throttled_link"]
+__all__ = ["Throttle", "measure_ddp", "predict_ddp", "profile_world1", "throttle_hook", "throttled_link"]
 
 
-def throttle_hook(bandwidth: float, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+class Throttle:
+    """State of :func:`throttle_hook`: a bus bandwidth and the lock that makes it one link.
+
+    gloo completes buckets on more than one thread; the lock queues the holds one after
+    another, as bytes queue on a single link.
+    """
+
+    def __init__(self, bandwidth: float) -> None:
+        if bandwidth <= 0:
+            raise ValueError(f"throttle bandwidth must be positive, got {bandwidth}")
+        self.bandwidth = bandwidth
+        self.lock = threading.Lock()
+
+
+def throttle_hook(state: Throttle, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """A comm hook: the default all-reduce, then a hold of ``2(n-1)/n * bytes / bandwidth`` s."""
     import torch.distributed as dist
 
     from lockstep.ddp.comm_hooks import allreduce_hook
 
     n = dist.get_world_size()
-    delay = 2 * (n - 1) / n * bucket.buffer().numel() * bucket.buffer().element_size() / bandwidth
+    nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+    delay = 2 * (n - 1) / n * nbytes / state.bandwidth
     fut = allreduce_hook(None, bucket)
 
     def hold(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        time.sleep(delay)
+        with state.lock:
+            time.sleep(delay)
         return f.value()
 
     return fut.then(hold)
@@ -106,7 +123,7 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(build())
     if throttle is not None:
-        model.register_comm_hook(throttle, throttle_hook)
+        model.register_comm_hook(Throttle(throttle), throttle_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = make_batch()
     for _ in range(3):  # warm-up, and the reducer rebuilds its buckets in arrival order
