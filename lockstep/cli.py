@@ -51,6 +51,25 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from lockstep.plan.cli import run_plan
+
+    return run_plan(args)
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    from lockstep.plan.cli import add_plan_arguments
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict step time and scaling efficiency at many GPUs from a profile",
+        description="Predict step time, samples/s, scaling efficiency, exposed communication and "
+        "memory per GPU for each strategy and GPU count (see docs/plan.md).",
+    )
+    add_plan_arguments(parser)
+    parser.set_defaults(handler=_plan)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from lockstep.doctor.command import run_doctor
 
@@ -78,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(subparsers)
     _add_doctor(subparsers)
+    _add_plan(subparsers)
     return parser
 
 

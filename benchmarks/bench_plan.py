@@ -1,0 +1,120 @@
+"""The planner against this machine: predicted vs measured DDP step time at worlds 2 and 3.
+
+Usage::
+
+    python benchmarks/bench_plan.py                      # CPU, gloo, worlds 2 and 3, all models
+    python benchmarks/bench_plan.py --models mlp --worlds 2 --throttle 50
+
+For each model (the DDP benchmark's): profile one step at world 1 in a fresh one-thread process,
+measure this machine's all-reduce alpha/beta at each world size (``lockstep plan --measure-link``),
+predict the DDP step at that world, then run lockstep's DDP there and print both side by side.
+``--throttle MB/s`` adds a run whose comm hook holds each bucket as a link of that bus bandwidth
+would, and compares predicted with measured exposed communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ddp
+
+from lockstep.plan.measure import measure_link
+from lockstep.plan.validate import (
+    measure_ddp,
+    predict_ddp,
+    profile_world1,
+    throttled_link,
+)
+
+BATCH = 32
+
+
+def build_mlp() -> torch.nn.Module:
+    return bench_ddp.MODELS["mlp"][0]()
+
+
+def build_transformer() -> torch.nn.Module:
+    return bench_ddp.MODELS["transformer"][0]()
+
+
+def build_convnet() -> torch.nn.Module:
+    return bench_ddp.MODELS["convnet"][0]()
+
+
+def batch_vector() -> tuple:
+    return bench_ddp.make_batch("vector", BATCH, torch.device("cpu"))
+
+
+def batch_tokens() -> tuple:
+    return bench_ddp.make_batch("tokens", BATCH, torch.device("cpu"))
+
+
+def batch_image() -> tuple:
+    return bench_ddp.make_batch("image", BATCH, torch.device("cpu"))
+
+
+def loss_vector(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return bench_ddp.loss_of("vector", out, y)
+
+
+def loss_tokens(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return bench_ddp.loss_of("tokens", out, y)
+
+
+def loss_image(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return bench_ddp.loss_of("image", out, y)
+
+
+CASES = {
+    "mlp": (build_mlp, batch_vector, loss_vector),
+    "transformer": (build_transformer, batch_tokens, loss_tokens),
+    "convnet": (build_convnet, batch_image, loss_image),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(CASES), choices=sorted(CASES))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 3])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--throttle", type=float, default=None, metavar="MB/s",
+                        help="also run with a comm hook throttling to this bus bandwidth")
+    args = parser.parse_args()
+
+    links = {w: measure_link(w) for w in args.worlds}
+    for w, link in links.items():
+        print(f"measured at world {w}: alpha {link.alpha * 1e6:.1f} us, "
+              f"beta {link.beta / 1e9:.3f} GB/s", flush=True)
+    print("\n| model | world | link | measured step ms | predicted (doctor profile) | error "
+          "| predicted (planner profile) | error | measured exposed ms | predicted exposed ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        build, batch, loss = CASES[name]
+        doctor = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH)
+        timed = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH,
+                               source="planner")
+        for world in args.worlds:
+            variants = [("measured", links[world], None)]
+            if args.throttle:
+                bw = args.throttle * 1e6
+                variants.append((f"throttled {args.throttle:g} MB/s",
+                                 throttled_link(links[world], bw), bw))
+            for label, link, throttle in variants:
+                pred = predict_ddp(doctor, link, world)
+                pred2 = predict_ddp(timed, link, world)
+                got = measure_ddp(build, batch, loss, world, steps=args.steps, throttle=throttle)
+                ms = got["step_s"]
+                print(f"| {name} | {world} | {label} | {ms * 1e3:.1f} "
+                      f"| {pred.step_s * 1e3:.1f} | {(pred.step_s / ms - 1) * 100:+.0f}% "
+                      f"| {pred2.step_s * 1e3:.1f} | {(pred2.step_s / ms - 1) * 100:+.0f}% "
+                      f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} / "
+                      f"{pred2.exposed_comm_s * 1e3:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""``lockstep plan``: predict step time and scaling efficiency before renting the GPUs.
+
+Examples::
+
+    lockstep plan profile.json --gpus 8,64,512,4096 --link nvlink4:8,ib-ndr400 --png plan.png
+    lockstep plan --params 1.3B --step-time 0.45 --batch-size 8 --dtype bf16 --link nvlink3:8,ib-hdr200
+    lockstep plan profile.json --measure-link --nproc 2 --gpus 2,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_plan_arguments", "parse_count", "run_plan"]
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``125M`` -> 125e6, ``1.3B`` -> 1.3e9, ``7e9`` -> 7e9."""
+    t = text.strip().lower()
+    scale = _SUFFIX.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if t[-1:] in _SUFFIX else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count like 125M or 1.3e9") from None
+
+
+def _gpus(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus {text!r}: give integers like 8,64,512") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--gpus {text!r}: give positive integers like 8,64,512")
+    return values
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", nargs="?", help="profile.json written by lockstep doctor")
+    parser.add_argument("--gpus", type=_gpus, default=[8, 64, 512, 4096],
+                        help="GPU counts to predict, comma-separated (default 8,64,512,4096)")
+    parser.add_argument("--link", default=None,
+                        help="INTRA[:GPUS_PER_NODE][,INTER[xNICS]], presets or ALPHA@BW, e.g. "
+                        "nvlink4:8,ib-ndr400 (default), pcie4:4,roce25x1, measured:8,eth100")
+    parser.add_argument("--link-efficiency", type=float, default=1.0,
+                        help="share of the line rate the collectives achieve (default 1.0)")
+    parser.add_argument("--measure-link", action="store_true",
+                        help="measure this machine's all-reduce alpha/beta first (name: measured)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for --measure-link (default 2)")
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated: ddp, ddp-bf16, ddp-fp16, compress:R, zero1, zero2, "
+                        "zero3, localsgd:H, diloco:H, dp (default: all but compress and diloco)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="per-GPU batch to predict for (compute rescaled from the profile's)")
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "mixed", "fp32"],
+                        help="model-state precision for memory (auto: from the gradient dtype)")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="GB per GPU")
+    what_if = parser.add_argument_group("what-if, without a profile")
+    what_if.add_argument("--params", type=parse_count, help="parameter count, e.g. 125M, 1.3B")
+    what_if.add_argument("--step-time", type=float, help="measured forward+backward seconds")
+    what_if.add_argument("--flops-per-sample", type=parse_count, help="training flops per sample")
+    what_if.add_argument("--gpu-tflops", type=float, help="peak TFLOP/s of one GPU")
+    what_if.add_argument("--mfu", type=float, default=0.4, help="share of peak reached (0.4)")
+    what_if.add_argument("--dtype", default="bfloat16", help="gradient dtype (bfloat16)")
+    what_if.add_argument("--optimizer-time", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--json", dest="json_path", help="write the plan as JSON here ('-': stdout)")
+    parser.add_argument("--png", dest="png_path", help="write the efficiency plot here")
+
+
+def _workload(args: argparse.Namespace):  # -> Workload
+    from lockstep.plan.workload import describe, load_profile
+
+    if args.profile:
+        if args.params is not None:
+            raise ValueError("give a profile or --params for a what-if, not both")
+        return load_profile(args.profile)
+    if args.params is None:
+        raise ValueError("give a profile.json, or --params with --step-time or "
+                         "--flops-per-sample and --gpu-tflops for a what-if")
+    gpu_flops = args.gpu_tflops * 1e12 if args.gpu_tflops else None
+    return describe(args.params, step_time=args.step_time, flops_per_sample=args.flops_per_sample,
+                    gpu_flops=gpu_flops, utilization=args.mfu, batch_size=args.batch_size or 1,
+                    dtype=args.dtype, optimizer_time=args.optimizer_time)
+
+
+def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
+    from lockstep.plan.links import Topology, parse_topology
+
+    link = measured or workload.link
+    if args.link is None and link is not None:
+        # Measured here: every GPU of the plan on this machine's own link.
+        return Topology(link, max(args.gpus))
+    return parse_topology(args.link or "nvlink4:8,ib-ndr400",
+                          {"measured": link} if link is not None else None)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from lockstep.plan.measure import measure_link
+    from lockstep.plan.model import PlanOptions
+    from lockstep.plan.planner import plan
+
+    try:
+        workload = _workload(args)
+        if args.batch_size and args.profile:
+            workload = workload.with_batch(args.batch_size)
+        measured = None
+        if args.measure_link:
+            print(f"measuring all-reduce on {args.nproc} local ranks...", file=sys.stderr)
+            measured = measure_link(args.nproc)
+            print(f"measured alpha {measured.alpha * 1e6:.1f} us, beta {measured.beta / 1e9:.3g} GB/s",
+                  file=sys.stderr)
+        topology = _topology(args, workload, measured).scaled(args.link_efficiency)
+        options = PlanOptions(
+            optimizer=args.optimizer,
+            mixed_precision=None if args.precision == "auto" else args.precision == "mixed",
+            gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None)
+        result = plan(workload, topology, args.gpus, args.strategies, options)
+    except (ValueError, OSError) as err:
+        print(f"lockstep plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json_path == "-":
+        json.dump(result.to_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(result.table())
+        if args.json_path:
+            with open(args.json_path, "w", encoding="utf-8") as f:
+                json.dump(result.to_dict(), f, indent=1)
+            print(f"\nwrote {args.json_path}")
+    if args.png_path:
+        result.save_png(args.png_path)
+        print(f"wrote {args.png_path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,213 @@
+"""Step time, overlap and memory of one strategy at one GPU count: the planner's core.
+
+A step is ``data + forward + backward + exposed communication + optimizer``. Each gradient bucket
+is sent on one link queue in launch order: it starts at ``max(ready, previous bucket done)`` (plus
+its encode time when compressed) and takes the collective's alpha-beta cost (plus decode). What
+is still running when backward's compute ends is *exposed*. The bucket that becomes ready last
+(the first layers, whose gradients come out at the very end of backward) can never hide: its whole
+all-reduce is exposed however fast the rest is -- the first-bucket effect. See docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lockstep.plan.costs import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    Cost,
+    collective,
+    point_to_point,
+)
+from lockstep.plan.links import Topology
+from lockstep.plan.memory import Memory, model_state_memory
+from lockstep.plan.strategies import Strategy
+from lockstep.plan.workload import DTYPE_BYTES, Workload
+
+__all__ = ["PlanOptions", "Prediction", "predict", "simulate_buckets"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the model that a profile does not carry.
+
+    Args:
+        optimizer: ``adam``, ``sgd-momentum`` or ``sgd`` (optimizer-state bytes per parameter).
+        mixed_precision: 2-byte parameters and gradients with fp32 master state; ``None``
+            decides from the gradient dtype.
+        gpu_memory: bytes per GPU; strategies whose model states exceed it are marked "no fit".
+        codec_bandwidth: bytes/s at which a GPU casts gradients for compression (read + write);
+            ``None``: 2 TB/s on CUDA (about 60% of an H100's HBM3), 5 GB/s on CPU.
+    """
+
+    optimizer: str = "adam"
+    mixed_precision: bool | None = None
+    gpu_memory: float | None = None
+    codec_bandwidth: float | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One strategy at one GPU count."""
+
+    strategy: str
+    gpus: int
+    nodes: int
+    step_s: float
+    samples_per_s: float
+    efficiency: float
+    exposed_comm_s: float
+    comm_s: float
+    memory: Memory
+    binding: str
+    algorithm: str
+    fits: bool = True
+    exact: bool = True
+    best: bool = False
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def exposed_share(self) -> float:
+        return self.exposed_comm_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def simulate_buckets(ready: list[float], cost: list[float], encode: list[float] | None = None,
+                     decode: list[float] | None = None) -> list[tuple[float, float]]:
+    """(start, done) of each bucket on one link queue, in launch order.
+
+    A bucket starts when it is ready (and encoded) and the previous one is done.
+    """
+    encode = encode or [0.0] * len(ready)
+    decode = decode or [0.0] * len(ready)
+    out, done = [], 0.0
+    for r, c, e, d in zip(ready, cost, encode, decode):
+        start = max(r + e, done)
+        done = start + c + d
+        out.append((start, done))
+    return out
+
+
+def _codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
+    if options.codec_bandwidth is not None:
+        return options.codec_bandwidth
+    return 2e12 if workload.device == "cuda" else 5e9
+
+
+def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Strategy,
+                   options: PlanOptions) -> tuple[float, float, list[Cost], float]:
+    """(exposed seconds after backward, link seconds, the costs, last bucket's cost)."""
+    buckets = workload.buckets  # launch order: a bucket waits for the one before it
+    if strategy.averages_parameters or strategy.data_parallel or world <= 1:
+        return 0.0, 0.0, [], 0.0
+    costs: list[Cost] = []
+    encode: list[float] = []
+    for b in buckets:
+        sent = b.nbytes * strategy.ratio
+        if strategy.zero_stage >= 2:
+            c = collective(REDUCE_SCATTER, sent, world, topo)
+            if strategy.zero_stage == 3:  # the parameters are gathered again for backward
+                g = collective(ALL_GATHER, sent, world, topo)
+                c = Cost(c.seconds + g.seconds, c.latency_s + g.latency_s,
+                         c.bandwidth_s + g.bandwidth_s, c.algorithm, c.bound_by)
+        else:
+            c = collective(ALL_REDUCE, sent, world, topo)
+        costs.append(c)
+        encode.append((b.nbytes + sent) / _codec_bandwidth(workload, options)
+                      if strategy.ratio < 1 else 0.0)
+    schedule = simulate_buckets([b.ready for b in buckets], [c.seconds for c in costs],
+                                encode, encode)
+    done = schedule[-1][1] if schedule else 0.0
+    exposed = max(0.0, done - workload.backward)
+    return exposed, sum(c.seconds for c in costs), costs, costs[-1].seconds if costs else 0.0
+
+
+def _zero3_forward(workload: Workload, topo: Topology, world: int) -> float:
+    """Forward with parameters gathered chunk by chunk, prefetched on one link queue."""
+    chunks = sorted(workload.buckets, key=lambda b: -b.ready)  # forward order: first layers first
+    total = sum(b.nbytes for b in chunks) or 1.0
+    compute_done = link_done = 0.0
+    for b in chunks:
+        link_done += collective(ALL_GATHER, b.nbytes, world, topo).seconds
+        compute_done = max(compute_done, link_done) + workload.forward * b.nbytes / total
+    return compute_done
+
+
+def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
+            options: PlanOptions | None = None) -> Prediction | None:
+    """The predicted step of ``strategy`` on ``world`` GPUs, or ``None`` where it cannot run
+    (DataParallel across nodes)."""
+    options = options or PlanOptions()
+    if world < 1:
+        raise ValueError(f"GPU count must be >= 1, got {world}")
+    if strategy.data_parallel and world > topo.gpus_per_node:
+        return None
+    per_node = min(topo.gpus_per_node, world)
+    nodes = math.ceil(world / per_node)
+    mixed = options.mixed_precision
+    if mixed is None:
+        mixed = DTYPE_BYTES[workload.grad_dtype] <= 2
+    width = 2 if mixed else 4
+    param_bytes = workload.parameters * width
+    exposed, link_s, costs, last = _backward_comm(workload, topo, world, strategy, options)
+    forward = workload.forward
+    optimizer = workload.optimizer / (world if strategy.zero_stage >= 1 else 1)
+    extra = 0.0  # communication outside backward, never hidden
+    extra_cost = Cost.zero()
+    if strategy.zero_stage == 3 and world > 1:
+        forward = _zero3_forward(workload, topo, world)
+    elif strategy.zero_stage in (1, 2) and world > 1:
+        extra_cost = collective(ALL_GATHER, param_bytes, world, topo)
+    if strategy.averages_parameters and world > 1:
+        # Local SGD / DiLoCo: one all-reduce of the fp32 parameters (or of the change) every H.
+        extra_cost = collective(ALL_REDUCE, workload.parameters * 4, world, topo)
+        extra_cost = Cost(extra_cost.seconds / strategy.sync_every,
+                          extra_cost.latency_s / strategy.sync_every,
+                          extra_cost.bandwidth_s / strategy.sync_every,
+                          extra_cost.algorithm, extra_cost.bound_by)
+        if strategy.outer_optimizer:
+            optimizer += workload.optimizer / strategy.sync_every
+    if strategy.data_parallel and world > 1:
+        # Replicate from device 0 before forward, reduce gradients onto it after backward.
+        one = point_to_point(param_bytes, topo.intra)
+        chain = (world - 1) * topo.intra.alpha
+        extra_cost = Cost(2 * (one.seconds + chain), 2 * (one.latency_s + chain),
+                          2 * one.bandwidth_s, "bcast+reduce", "intra")
+    extra = extra_cost.seconds
+    link_s += extra
+    exposed_total = exposed + extra + (forward - workload.forward)
+    step = (workload.data + forward + workload.backward + exposed + optimizer + extra
+            + workload.other)
+    batch = workload.batch_size or 1
+    memory = model_state_memory(workload.parameters, world,
+                                strategy.zero_stage, mixed_precision=mixed,
+                                optimizer=options.optimizer)
+    fits = options.gpu_memory is None or memory.total <= options.gpu_memory
+    all_costs = costs + ([extra_cost] if extra > 0 else [])
+    binding = _binding(workload, step, exposed_total, all_costs, fits)
+    algorithm = max(all_costs, key=lambda c: c.seconds).algorithm if all_costs else "none"
+    return Prediction(
+        strategy=strategy.name, gpus=world, nodes=nodes, step_s=step,
+        samples_per_s=world * batch / step, efficiency=workload.compute / step,
+        exposed_comm_s=exposed_total, comm_s=link_s, memory=memory, binding=binding,
+        algorithm=algorithm, fits=fits, exact=strategy.exact,
+        detail={"forward_s": forward, "backward_s": workload.backward, "optimizer_s": optimizer,
+                "data_s": workload.data, "other_s": workload.other, "exposed_after_backward_s": exposed,
+                "outside_backward_s": extra, "last_bucket_s": last},
+    )
+
+
+def _binding(workload: Workload, step: float, exposed: float, costs: list[Cost], fits: bool) -> str:
+    """The resource that bounds the step: memory, a link (latency or bandwidth), data or compute."""
+    if not fits:
+        return "memory"
+    if step > 0 and exposed / step >= 0.1 and costs:
+        latency = sum(c.latency_s for c in costs)
+        bandwidth = sum(c.bandwidth_s for c in costs)
+        inter = sum(c.seconds for c in costs if c.bound_by == "inter")
+        level = "inter-node" if inter >= 0.5 * sum(c.seconds for c in costs) else "intra-node"
+        return f"{level} {'latency' if latency > bandwidth else 'bandwidth'}"
+    if workload.data >= max(workload.forward, workload.backward):
+        return "data loading"
+    return "compute"

@@ -1,0 +1,122 @@
+"""Predict every strategy at every GPU count and mark the best: ``lockstep.plan.plan(...)``.
+
+Example::
+
+    from lockstep.plan import plan, load_profile, parse_topology
+    result = plan(load_profile("profile.json"), parse_topology("nvlink4:8,ib-ndr400"),
+                  gpus=[8, 64, 512, 4096])
+    print(result.table())
+    result.save_png("plan.png")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lockstep.plan.links import Topology
+from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
+from lockstep.plan.workload import Workload
+
+__all__ = ["NOT_MODELLED", "Plan", "plan"]
+
+NOT_MODELLED = (
+    "stragglers and run-to-run jitter (every GPU is assumed as fast as the profiled one)",
+    ("network contention and congestion beyond the alpha-beta model (other jobs, oversubscribed "
+    "switches, adaptive routing); every link delivers its stated bandwidth"),
+    "compute slowed by communication kernels running beside it (SM and memory contention)",
+    "activations, buffers and allocator fragmentation in memory (model states only)",
+    ("convergence: local SGD/DiLoCo and compression change the updates; larger global batches "
+    "may need more steps"),
+    "in-network reduction (SHARP/NVLS) and NCCL protocol switching (LL/LL128/Simple)",
+)
+
+
+@dataclass
+class Plan:
+    """Predictions per GPU count and strategy, with the assumptions that produced them."""
+
+    workload: Workload
+    topology: Topology
+    predictions: list[Prediction]
+    assumptions: list[str] = field(default_factory=list)
+    not_modelled: tuple[str, ...] = NOT_MODELLED
+
+    def best(self, gpus: int) -> Prediction | None:
+        return next((p for p in self.predictions if p.gpus == gpus and p.best), None)
+
+    def table(self) -> str:
+        from lockstep.plan.report import format_table
+
+        return format_table(self)
+
+    def to_dict(self) -> dict:
+        from lockstep.plan.report import plan_to_dict
+
+        return plan_to_dict(self)
+
+    def save_png(self, path: str) -> None:
+        from lockstep.plan.report import save_png
+
+        save_png(self, path)
+
+
+def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
+         strategies: Sequence[Strategy | str] | str | None = None,
+         options: PlanOptions | None = None) -> Plan:
+    """Predict each strategy at each GPU count; the fastest exact strategy that fits is best.
+
+    Args:
+        workload: what one GPU does per step (:func:`load_profile` or :func:`describe`).
+        topology: the links (:func:`parse_topology`).
+        gpus: GPU counts to predict.
+        strategies: names or :class:`Strategy` objects; default ``ddp, ddp-bf16, zero1, zero2,
+            zero3, localsgd:8, dp``.
+    """
+    options = options or PlanOptions()
+    if not gpus or any(int(n) < 1 for n in gpus):
+        raise ValueError(f"GPU counts must be positive integers, got {list(gpus)}")
+    chosen: list[Strategy]
+    if strategies is None:
+        chosen = parse_strategies(list(DEFAULT_STRATEGIES), workload.grad_dtype)
+    elif isinstance(strategies, str):
+        chosen = parse_strategies(strategies, workload.grad_dtype)
+    else:
+        chosen = [s if isinstance(s, Strategy) else parse_strategies([s], workload.grad_dtype)[0]
+                  for s in strategies]
+    predictions: list[Prediction] = []
+    for n in sorted({int(n) for n in gpus}):
+        row = [p for s in chosen if (p := predict(workload, topology, n, s, options)) is not None]
+        ranked = [p for p in row if p.fits and p.exact] or [p for p in row if p.fits]
+        if ranked:
+            top = max(ranked, key=lambda p: p.samples_per_s)
+            row = [_marked(p) if p is top else p for p in row]
+        predictions.extend(row)
+    return Plan(workload, topology, predictions, _assumptions(workload, topology, options))
+
+
+def _marked(p: Prediction) -> Prediction:
+    from dataclasses import replace
+
+    return replace(p, best=True)
+
+
+def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -> list[str]:
+    out = [
+        (f"workload from {workload.source}: per GPU and step, data {workload.data * 1e3:.2f} ms, "
+        f"forward {workload.forward * 1e3:.2f} ms, backward {workload.backward * 1e3:.2f} ms, "
+        f"optimizer {workload.optimizer * 1e3:.2f} ms, other {workload.other * 1e3:.2f} ms, "
+         f"batch {workload.batch_size}"),
+        (f"{workload.parameters:,} parameters, {workload.grad_dtype} gradients in "
+        f"{len(workload.buckets)} buckets"),
+        f"links: {topology.describe()}",
+        "weak scaling: the per-GPU batch stays the same at every GPU count",
+        "compute per GPU does not change with the GPU count; one link queue, buckets in order",
+        "collectives pick the cheapest of ring, tree and hierarchical (as NCCL's tuner does)",
+        (f"optimizer state: {options.optimizer}, "
+        f"{'mixed precision' if options.mixed_precision else 'precision from the gradient dtype'}"),
+    ]
+    if workload.source == "described" or any(n.startswith("synthetic") for n in workload.notes):
+        out.append("bucket ready times assumed uniform in bytes over backward (no profile)")
+    return out + list(workload.notes)

@@ -1,0 +1,175 @@
+"""Check the planner against this machine: profile at world 1, predict world N, run world N.
+
+Used by ``benchmarks/bench_plan.py`` and the tests. ``build``, ``make_batch`` and ``loss_fn`` must
+be module-level functions (workers are new processes): ``build() -> nn.Module``,
+``make_batch() -> (inputs, targets)``, ``loss_fn(output, targets) -> loss``.
+
+A *throttled* run registers :func:`throttle_hook`, which holds each bucket's all-reduce result
+for ``2(n-1)/n * bytes / bandwidth`` seconds on the communication thread: a link of that bus
+bandwidth in series with the real one, as a slow network would be.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lockstep.plan.links import Link, Topology
+from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.strategies import parse_strategy
+from lockstep.plan.workload import Workload, load_profile
+
+__all__ = ["Throttle", "measure_ddp", "predict_ddp", "profile_world1", "throttle_hook", "throttled_link"]
+
+
+class Throttle:
+    """State of :func:`throttle_hook`: a bus bandwidth and the lock that makes it one link.
+
+    gloo completes buckets on more than one thread; the lock queues the holds one after
+    another, as bytes queue on a single link.
+    """
+
+    def __init__(self, bandwidth: float) -> None:
+        if bandwidth <= 0:
+            raise ValueError(f"throttle bandwidth must be positive, got {bandwidth}")
+        self.bandwidth = bandwidth
+        self.lock = threading.Lock()
+
+
+def throttle_hook(state: Throttle, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """A comm hook: the default all-reduce, then a hold of ``2(n-1)/n * bytes / bandwidth`` s."""
+    import torch.distributed as dist
+
+    from lockstep.ddp.comm_hooks import allreduce_hook
+
+    n = dist.get_world_size()
+    nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+    delay = 2 * (n - 1) / n * nbytes / state.bandwidth
+    fut = allreduce_hook(None, bucket)
+
+    def hold(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        with state.lock:
+            time.sleep(delay)
+        return f.value()
+
+    return fut.then(hold)
+
+
+def throttled_link(link: Link, bandwidth: float) -> Link:
+    """The measured link with a throttle of ``bandwidth`` bytes/s in series."""
+    return Link(f"{link.name}+throttle", link.alpha, 1 / (1 / link.beta + 1 / bandwidth))
+
+
+def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
+                    steps: int, batch_size: int | None, source: str) -> dict:
+    torch.manual_seed(0)
+    if source == "planner":
+        from lockstep.plan.profiler import profile_model
+
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        return profile_model(model, make_batch(), loss_fn, opt, steps=steps, warmup=3,
+                             batch_size=batch_size)
+    import lockstep
+    from lockstep.doctor.api import gather_report
+
+    lockstep.init_distributed()
+    ddp = lockstep.DistributedDataParallel(build())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x, y = make_batch()
+    recorder = ddp.enable_profiling(warmup=3)
+    for _ in range(3 + steps):
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    return gather_report(recorder)
+
+
+def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, steps: int = 10,
+                   batch_size: int | None = None, path: str | None = None,
+                   source: str = "doctor", timeout: float = 300.0) -> dict:
+    """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
+
+    ``source="doctor"`` records it with ``lockstep.profile``'s recorder (the doctor's);
+    ``"planner"`` with :func:`lockstep.plan.profiler.profile_model`, which also times when each
+    gradient arrives, so the buckets carry measured ready times.
+    """
+    import json
+
+    from lockstep.multiproc import spawn
+
+    if source not in ("doctor", "planner"):
+        raise ValueError(f"profile source must be 'doctor' or 'planner', got {source!r}")
+    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size, source),
+                timeout=timeout)[0]
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable, steps: int,
+                throttle: float | None) -> dict:
+    import torch.distributed as dist
+
+    import lockstep
+
+    lockstep.init_distributed()
+    torch.manual_seed(0)
+    model = lockstep.DistributedDataParallel(build())
+    if throttle is not None:
+        model.register_comm_hook(Throttle(throttle), throttle_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = make_batch()
+    for _ in range(3):  # warm-up, and the reducer rebuilds its buckets in arrival order
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    model.enable_step_timing()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):  # no barrier per step: the all-reduces keep the ranks in step
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    step_s = (time.perf_counter() - start) / steps
+    exposed = statistics.median(t.exposed_comm_s for t in model.step_timings)
+    return {"step_s": step_s, "exposed_s": exposed}
+
+
+def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world: int, *,
+                steps: int = 10, throttle: float | None = None, timeout: float = 300.0) -> dict:
+    """Median step and exposed-communication seconds of lockstep's DDP at ``world`` ranks
+    (the slowest rank's)."""
+    from lockstep.multiproc import spawn
+
+    rows = spawn(_ddp_worker, world, (build, make_batch, loss_fn, steps, throttle), timeout=timeout)
+    return {"step_s": max(r["step_s"] for r in rows), "exposed_s": max(r["exposed_s"] for r in rows)}
+
+
+def predict_ddp(profile: dict | str | Workload, link: Link, world: int) -> Prediction:
+    """The planner's DDP prediction at ``world`` ranks all on ``link`` (one machine)."""
+    if isinstance(profile, Workload):
+        workload = profile
+    elif isinstance(profile, str):
+        workload = load_profile(profile)
+    else:
+        import json
+        import os
+        import tempfile
+
+        fd, path = tempfile.mkstemp(suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(profile, f)
+            workload = load_profile(path)
+        finally:
+            os.unlink(path)
+    result = predict(workload, Topology(link, world), world, parse_strategy("ddp"), PlanOptions())
+    assert result is not None  # DDP always runs
+    return result

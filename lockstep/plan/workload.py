@@ -1,0 +1,200 @@
+"""What one GPU does in one step: the planner's input, read from a profile or described by hand.
+
+A :class:`Workload` holds per-step seconds at one per-GPU batch (data, forward, backward,
+optimizer), the gradient buckets in launch order with the moment each becomes ready after
+backward starts, and the model's size. :func:`load_profile` reads the doctor's ``profile.json``
+(docs/profile-format.md); :func:`describe` builds one from a parameter count and a step time or
+flops for what-if questions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lockstep.plan.links import Link
+
+__all__ = [
+    "DTYPE_BYTES",
+    "Bucket",
+    "ProfileError",
+    "Workload",
+    "describe",
+    "load_profile",
+    "synthetic_buckets",
+]
+
+MB = 1024 * 1024
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+               "float64": 8}
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read as ``lockstep-profile`` version 1."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``nbytes`` of gradients that become ready ``ready`` seconds after backward starts."""
+
+    nbytes: float
+    ready: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GPU's step at ``batch_size`` samples; times in seconds, sizes in bytes."""
+
+    parameters: int
+    grad_dtype: str
+    forward: float
+    backward: float
+    optimizer: float = 0.0
+    data: float = 0.0
+    other: float = 0.0  # the rest of the profiled step (Python, zero_grad, hooks): never hidden
+    batch_size: int | None = None
+    buckets: tuple[Bucket, ...] = ()
+    device: str = "cuda"
+    source: str = "described"
+    link: Link | None = None  # measured by the profiler, if it did
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.parameters <= 0:
+            raise ValueError(f"parameter count must be positive, got {self.parameters}")
+        if self.grad_dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.grad_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+        for name in ("forward", "backward", "optimizer", "data", "other"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} time must be >= 0 s, got {getattr(self, name)}")
+        if not self.buckets:
+            object.__setattr__(self, "buckets", synthetic_buckets(self.grad_bytes, self.backward))
+
+    @property
+    def grad_bytes(self) -> float:
+        return self.parameters * DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def compute(self) -> float:
+        """Seconds of a step on one GPU with no communication at all."""
+        return self.data + self.forward + self.backward + self.optimizer + self.other
+
+    def with_batch(self, batch_size: int) -> Workload:
+        """The same model at another per-GPU batch: data, forward and backward scale linearly."""
+        if self.batch_size is None:
+            raise ValueError("this workload has no batch size; cannot rescale it")
+        k = batch_size / self.batch_size
+        buckets = tuple(Bucket(b.nbytes, b.ready * k) for b in self.buckets)
+        return replace(self, batch_size=batch_size, data=self.data * k, forward=self.forward * k,
+                       other=self.other * k,
+                       backward=self.backward * k, buckets=buckets)
+
+
+def synthetic_buckets(grad_bytes: float, backward: float, cap_bytes: float = 25 * MB,
+                      first_cap_bytes: float = 1 * MB) -> tuple[Bucket, ...]:
+    """DDP's buckets when only the total is known: 1 MB first, then 25 MB; gradients assumed to
+    arrive at a constant rate in bytes over backward, so a bucket is ready when its last byte is."""
+    buckets: list[Bucket] = []
+    done = 0.0
+    while done < grad_bytes:
+        size = min(first_cap_bytes if not buckets else cap_bytes, grad_bytes - done)
+        done += size
+        buckets.append(Bucket(size, backward * done / grad_bytes))
+    return tuple(buckets)
+
+
+def describe(parameters: float, *, step_time: float | None = None,
+             flops_per_sample: float | None = None, gpu_flops: float | None = None,
+             utilization: float = 0.4, batch_size: int = 1, dtype: str = "bfloat16",
+             optimizer_time: float = 0.0, data_time: float = 0.0,
+             device: str = "cuda") -> Workload:
+    """A what-if workload from a model's size and either its measured or its computed step time.
+
+    Args:
+        parameters: trainable parameter count.
+        step_time: measured seconds of forward + backward for ``batch_size`` samples on one GPU.
+        flops_per_sample: training flops per sample (about 6 x parameters x tokens for a
+            transformer); with ``gpu_flops`` (peak flop/s) and ``utilization`` gives the time.
+        dtype: dtype of the reduced gradients.
+
+    Forward takes a third of the compute and backward two thirds (backward computes gradients
+    with respect to both activations and weights).
+    """
+    if (step_time is None) == (flops_per_sample is None):
+        raise ValueError("give either step_time (seconds) or flops_per_sample (with gpu_flops)")
+    if step_time is None:
+        if not gpu_flops or gpu_flops <= 0:
+            raise ValueError("flops_per_sample needs gpu_flops, the GPU's peak flop/s")
+        if not 0 < utilization <= 1:
+            raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+        step_time = float(flops_per_sample) * batch_size / (gpu_flops * utilization)  # type: ignore[arg-type]
+    if step_time <= 0:
+        raise ValueError(f"step time must be positive, got {step_time}")
+    return Workload(parameters=int(parameters), grad_dtype=dtype, forward=step_time / 3,
+                    backward=2 * step_time / 3, optimizer=optimizer_time, data=data_time,
+                    batch_size=batch_size, device=device, source="described")
+
+
+def _need(obj: dict, key: str, where: str, path: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise ProfileError(f"{path}: missing field {where}{key!r}; is this a lockstep profile "
+                           "(docs/profile-format.md)?")
+    return obj[key]
+
+
+def load_profile(path: str | Path) -> Workload:
+    """Read a ``lockstep-profile`` (version 1) JSON file into a :class:`Workload`.
+
+    Raises:
+        ProfileError: the file is not JSON, or misses a required field (named in the message).
+    """
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file") from None
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"{path}: not JSON ({err})") from None
+    if _need(doc, "format", "", path) != "lockstep-profile":
+        raise ProfileError(f"{path}: format is {doc['format']!r}, expected 'lockstep-profile'")
+    if _need(doc, "version", "", path) != 1:
+        raise ProfileError(f"{path}: profile version {doc['version']!r}; this planner reads version 1")
+    _need(doc, "world_size", "", path)
+    model, phases = _need(doc, "model", "", path), _need(doc, "phases", "", path)
+    for key in ("forward", "backward"):
+        _need(phases, key, "phases.", path)
+    trainable = model.get("trainable_parameters", _need(model, "parameters", "model.", path))
+    dtype = str(model.get("dtype", "float32")).replace("torch.", "")
+    buckets = tuple(Bucket(float(_need(b, "bytes", f"buckets[{i}].", path)),
+                           float(_need(b, "ready", f"buckets[{i}].", path)))
+                    for i, b in enumerate(doc.get("buckets") or []))
+    link = None
+    if isinstance(doc.get("link"), dict) and {"alpha", "beta"} <= set(doc["link"]):
+        link = Link("measured", float(doc["link"]["alpha"]), float(doc["link"]["beta"]),
+                    f"measured ({path})")
+    device = str(doc.get("device") or "cpu")
+    known = sum(float(phases.get(k, 0.0)) for k in ("data", "forward", "backward", "optimizer",
+                                                    "exposed_comm"))
+    # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
+    other = max(0.0, float(phases.get("step", known)) - known)
+    return Workload(
+        parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
+        forward=float(phases["forward"]), backward=float(phases["backward"]),
+        optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
+        other=other, batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
+        device=device.split(":")[0], source=path, link=link,
+        notes=() if buckets else (("synthetic buckets: the profile lists none (world 1?), so DDP's "
+                                  "1 MB + 25 MB buckets are assumed, ready uniformly over backward"),),
+    )
+
+
+def _checked(buckets: tuple[Bucket, ...], path: str) -> tuple[Bucket, ...]:
+    for i, b in enumerate(buckets):
+        if not (math.isfinite(b.nbytes) and b.nbytes >= 0 and math.isfinite(b.ready) and b.ready >= 0):
+            raise ProfileError(f"{path}: buckets[{i}] has bytes={b.nbytes}, ready={b.ready}; "
+                               "both must be finite and >= 0")
+    return buckets

@@ -1,0 +1,289 @@
+"""The planner's pure logic: links, collective costs, bucket overlap, memory, profiles, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lockstep.cli import main
+from lockstep.plan import (
+    Bucket,
+    Link,
+    PlanOptions,
+    ProfileError,
+    Topology,
+    Workload,
+    collective,
+    describe,
+    fit_alpha_beta,
+    load_profile,
+    model_state_memory,
+    parse_link,
+    parse_strategy,
+    parse_topology,
+    plan,
+    predict,
+    simulate_buckets,
+)
+from lockstep.plan.costs import ring_allreduce, tree_allreduce
+
+GB = 1e9
+
+
+def profile_doc(**over) -> dict:
+    doc = {
+        "format": "lockstep-profile", "version": 1, "world_size": 1, "backend": "gloo",
+        "device": "cpu", "mode": "ddp", "batch_size_per_rank": 16, "steps": 30,
+        "model": {"parameters": 1_000_000, "trainable_parameters": 1_000_000,
+                  "param_bytes": 4_000_000, "grad_bytes": 4_000_000, "dtype": "float32"},
+        "phases": {"data": 0.001, "forward": 0.010, "backward": 0.020, "exposed_comm": 0.0,
+                   "optimizer": 0.003, "step": 0.034},
+        "buckets": [{"index": 0, "bytes": 1_000_000, "params": ["b"], "ready": 0.005,
+                     "allreduce": 0.001, "busbw": 1e9},
+                    {"index": 1, "bytes": 3_000_000, "params": ["a"], "ready": 0.020}],
+        "per_rank": [], "a_field_from_the_future": {"x": 1},
+    }
+    doc.update(over)
+    return doc
+
+
+# ---- links -------------------------------------------------------------------------------
+def test_presets_and_literals():
+    assert parse_link("ib-ndr400").beta == pytest.approx(50e9)
+    assert parse_link("NVLink4").beta == pytest.approx(450e9)
+    assert parse_link("ndr") == parse_link("ib-ndr400")
+    lit = parse_link("5us@12.5GB/s")
+    assert lit.alpha == pytest.approx(5e-6) and lit.beta == pytest.approx(12.5e9)
+    assert parse_link("2ms@100Gbit/s").beta == pytest.approx(12.5e9)
+    with pytest.raises(ValueError, match="ib-ndr400"):  # the error lists the presets
+        parse_link("infiniband9000")
+    with pytest.raises(ValueError, match="--measure-link"):
+        parse_link("measured")
+
+
+def test_topology_spec():
+    t = parse_topology("nvlink4:8,ib-ndr400")
+    assert (t.gpus_per_node, t.intra.name, t.inter.name, t.nics) == (8, "nvlink4", "ib-ndr400", 8)
+    assert t.node_bandwidth() == pytest.approx(400e9)
+    t = parse_topology("pcie3:4,roce25x1")
+    assert (t.gpus_per_node, t.nics) == (4, 1) and t.node_bandwidth() == pytest.approx(25e9 / 8)
+    assert parse_topology("roce100").gpus_per_node == 1
+    measured = Link("measured", 1e-4, 1e9)
+    assert parse_topology("measured:4,eth10", {"measured": measured}).intra is measured
+    with pytest.raises(ValueError, match="integer"):
+        parse_topology("nvlink4:eight")
+    with pytest.raises(ValueError):
+        Link("bad", 1e-6, 0.0)
+
+
+# ---- collectives -------------------------------------------------------------------------
+def test_ring_and_tree_formulas():
+    link = Link("l", 10e-6, 1e9)
+    s = 8e6
+    assert ring_allreduce(s, 1, link).seconds == 0
+    assert ring_allreduce(s, 4, link).seconds == pytest.approx(6 * 10e-6 + 1.5 * s / 1e9)
+    assert tree_allreduce(s, 8, link).seconds == pytest.approx(6 * 10e-6 + 2 * s / 1e9)
+    # Small messages on many ranks: the tree's log(n) latency wins; big ones: the ring's bytes.
+    topo = Topology(link, 1)
+    assert collective("all_reduce", 1e3, 1024, topo).algorithm == "tree"
+    assert collective("all_reduce", 1e9, 4, topo).algorithm == "ring"
+
+
+def test_hierarchical_beats_flat_ring_latency_across_nodes():
+    topo = parse_topology("nvlink4:8,ib-ndr400")
+    cost = collective("all_reduce", 1e6, 512, topo)
+    flat = ring_allreduce(1e6, 512, Link("x", 5e-6, 400e9))
+    assert cost.seconds < flat.seconds
+    assert cost.bound_by == "inter"
+    # Inside one node only the inside link counts.
+    assert collective("all_reduce", 1e9, 8, topo).bound_by == "intra"
+    with pytest.raises(ValueError, match="all_reduce"):
+        collective("all_to_all", 1.0, 4, topo)
+
+
+# ---- bucket overlap ----------------------------------------------------------------------
+def test_bucket_queue_starts_at_max_of_ready_and_previous_done():
+    # ready 1, 2, 10; cost 3 each: 1->4, max(2,4)=4->7, max(10,7)=10->13.
+    assert simulate_buckets([1, 2, 10], [3, 3, 3]) == [(1, 4), (4, 7), (10, 13)]
+    # Encode delays the start, decode the end.
+    assert simulate_buckets([0], [1], [0.5], [0.25]) == [(0.5, 1.75)]
+
+
+def test_last_bucket_is_always_exposed():
+    w = Workload(parameters=1000, grad_dtype="float32", forward=1.0, backward=2.0,
+                 buckets=(Bucket(2e6, 1.0), Bucket(2e6, 2.0)))
+    link = Link("slow", 0.0, 1e6)  # 2 MB all-reduce on 2 ranks: 2 s
+    p = predict(w, Topology(link, 2), 2, parse_strategy("ddp"))
+    # bucket 0: 1 -> 3; bucket 1: max(2, 3) -> 5; backward ends at 2: 3 s exposed.
+    assert p.exposed_comm_s == pytest.approx(3.0)
+    assert p.step_s == pytest.approx(1 + 2 + 3)
+    assert p.efficiency == pytest.approx(3 / 6)
+    assert p.binding == "intra-node bandwidth"
+
+
+def test_compression_scales_bytes_and_adds_codec_time():
+    w = Workload(parameters=1000, grad_dtype="float32", forward=1.0, backward=2.0, device="cpu",
+                 buckets=(Bucket(2e6, 2.0),))
+    topo = Topology(Link("slow", 0.0, 1e6), 2)
+    full = predict(w, topo, 2, parse_strategy("ddp"))
+    half = predict(w, topo, 2, parse_strategy("ddp-bf16"), PlanOptions(codec_bandwidth=3e6))
+    # 1 MB sent (1 s) + encode and decode of 3 MB each at 3 MB/s (1 s each).
+    assert full.exposed_comm_s == pytest.approx(2.0)
+    assert half.exposed_comm_s == pytest.approx(3.0)
+
+
+def test_local_sgd_amortises_and_dp_stays_in_one_node():
+    w = describe(1e6, step_time=0.3, dtype="float32")
+    topo = parse_topology("pcie4:4,eth10x1")
+    every = predict(w, topo, 8, parse_strategy("localsgd:1"))
+    sparse = predict(w, topo, 8, parse_strategy("localsgd:10"))
+    assert sparse.exposed_comm_s == pytest.approx(every.exposed_comm_s / 10)
+    assert not sparse.exact and parse_strategy("ddp").exact
+    assert predict(w, topo, 8, parse_strategy("dp")) is None
+    assert predict(w, topo, 4, parse_strategy("dp")).exposed_comm_s > 0
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parse_strategy("fsdp")
+
+
+# ---- memory ------------------------------------------------------------------------------
+def test_zero_memory_matches_the_paper():
+    # ZeRO paper, Figure 1: psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+    psi, n = 7.5e9, 64
+    got = [model_state_memory(psi, n, s, mixed_precision=True).total / GB for s in range(4)]
+    assert got == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert got[0] == pytest.approx(16 * psi / GB)
+    fp32 = model_state_memory(psi, n, 2, mixed_precision=False)
+    assert fp32.parameters == 4 * psi and fp32.gradients == pytest.approx(4 * psi / n)
+    assert fp32.optimizer == pytest.approx(8 * psi / n)
+    assert model_state_memory(psi, n, 0, mixed_precision=False, optimizer="sgd").optimizer == 0
+
+
+# ---- profiles ----------------------------------------------------------------------------
+def test_load_profile_reads_the_format_and_ignores_extra_fields(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    w = load_profile(path)
+    assert (w.parameters, w.grad_dtype, w.batch_size) == (1_000_000, "float32", 16)
+    assert [b.nbytes for b in w.buckets] == [1_000_000, 3_000_000]
+    assert w.compute == pytest.approx(0.034)
+
+
+@pytest.mark.parametrize("drop, field", [("phases", "'phases'"), ("model", "'model'"),
+                                         ("format", "'format'")])
+def test_bad_profile_names_file_and_field(tmp_path, drop, field):
+    doc = profile_doc()
+    del doc[drop]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match=rf"broken\.json.*{field}"):
+        load_profile(path)
+    doc = profile_doc()
+    del doc["phases"]["backward"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match=r"phases\.'backward'"):
+        load_profile(path)
+
+
+def test_profile_without_buckets_gets_synthetic_ones(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_doc(buckets=[])))
+    w = load_profile(path)
+    assert sum(b.nbytes for b in w.buckets) == pytest.approx(4_000_000)
+    assert w.buckets[-1].ready == pytest.approx(0.020) and w.notes
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta, n = 50e-6, 2e9, 3
+    sizes = [1e4, 1e5, 1e6, 1e7]
+    times = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s / beta for s in sizes]
+    link = fit_alpha_beta(sizes, times, n)
+    assert link.alpha == pytest.approx(alpha) and link.beta == pytest.approx(beta)
+    with pytest.raises(ValueError, match="noisy"):
+        fit_alpha_beta([1, 2], [2.0, 1.0], 2)
+
+
+# ---- plan and CLI ------------------------------------------------------------------------
+def test_plan_marks_one_best_per_gpu_count():
+    w = describe(1.3e9, step_time=0.45, batch_size=8, dtype="bfloat16")
+    result = plan(w, parse_topology("nvlink4:8,ib-ndr400"), [8, 512],
+                  options=PlanOptions(gpu_memory=16e9))
+    for n in (8, 512):
+        best = [p for p in result.predictions if p.gpus == n and p.best]
+        assert len(best) == 1 and best[0].fits and best[0].exact
+    assert all(not p.fits for p in result.predictions if p.strategy == "ddp")  # 20.8 GB > 16
+    assert all(math.isfinite(p.step_s) and 0 < p.efficiency <= 1 for p in result.predictions)
+    assert "Not modelled" in result.table() and "stragglers" in result.table()
+
+
+def test_cli_profile_to_table_json_png(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc = main(["plan", str(path), "--gpus", "8,64", "--link", "pcie4:4,roce100",
+               "--strategies", "ddp,zero2,localsgd:4", "--json", str(out_json), "--png", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "*ddp" in text or "*zero2" in text
+    doc = json.loads(out_json.read_text())
+    assert doc["format"] == "lockstep-plan" and len(doc["predictions"]) == 6
+    assert out_png.stat().st_size > 10_000
+
+
+def test_cli_what_if_and_errors(capsys):
+    assert main(["plan", "--params", "125M", "--flops-per-sample", "1e12", "--gpu-tflops", "989",
+                 "--batch-size", "16", "--gpus", "8", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["parameters"] == 125_000_000
+    assert main(["plan", "--gpus", "8"]) == 2
+    assert "--params" in capsys.readouterr().err
+    assert main(["plan", "missing.json"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, monkeypatch):
+    from lockstep.plan import measure
+
+    calls = []
+
+    def fake(nproc):
+        calls.append(nproc)
+        return Link("measured", 1e-3, 1e8)
+
+    monkeypatch.setattr(measure, "measure_link", fake)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    assert main(["plan", str(path), "--measure-link", "--nproc", "3", "--gpus", "2,3",
+                 "--strategies", "ddp", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert calls == [3]
+    assert doc["topology"]["intra"]["name"] == "measured" and doc["topology"]["gpus_per_node"] == 3
+    # With --link, 'measured' is one of the link names.
+    assert main(["plan", str(path), "--measure-link", "--link", "measured:2,eth10", "--gpus", "4",
+                 "--strategies", "ddp", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["topology"]["intra"]["name"] == "measured"
+    assert doc["topology"]["inter"]["name"] == "eth10"
+
+
+def test_planner_profiler_times_gradients_into_buckets(tmp_path):
+    import torch
+    from torch import nn
+
+    from lockstep.plan.profiler import profile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 64), torch.randn(8, 64))
+    doc = profile_model(model, batch, torch.nn.functional.mse_loss, opt, steps=2, warmup=1,
+                        bucket_cap_mb=0.1, batch_size=8)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    w = load_profile(path)
+    assert w.parameters == sum(p.numel() for p in model.parameters()) and w.batch_size == 8
+    ready = [b["ready"] for b in doc["buckets"]]
+    assert len(ready) > 1 and ready == sorted(ready)  # launch order = arrival order
+    assert doc["buckets"][0]["params"][0] == "2.bias"  # the last layer's gradients come first
+    assert sum(b["bytes"] for b in doc["buckets"]) == w.grad_bytes

@@ -1,0 +1,84 @@
+"""The planner against real runs on gloo: link measurement, profiles, predicted vs measured.
+
+Timings on a shared CPU are noisy, so the checks that compare a prediction with a run use a
+throttled comm hook (sleeps, which CPU load barely changes) that makes communication dominate,
+and generous tolerances; the side-by-side figures are benchmarks/bench_plan.py's job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.plan import load_profile, measure_link
+from lockstep.plan.validate import (
+    measure_ddp,
+    predict_ddp,
+    profile_world1,
+    throttled_link,
+)
+
+pytestmark = pytest.mark.multirank
+
+
+def build() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))  # ~2 MB of grads
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+@pytest.mark.timeout(180)
+def test_predicted_exposed_communication_matches_a_throttled_run(tmp_path):
+    throttle = 10e6  # bytes/s: 2 MB of gradients held ~200 ms at world 2
+    path = tmp_path / "profile.json"
+    profile_world1(build, make_batch, loss_fn, steps=5, batch_size=16, path=str(path), timeout=100)
+    assert load_profile(path).parameters == sum(p.numel() for p in build().parameters())
+    link = measure_link(2, sizes=(256 << 10, 4 << 20, 32 << 20), repeats=3, timeout=100)
+    assert link.alpha >= 0 and link.beta > 0 and link.name == "measured"
+    pred = predict_ddp(str(path), throttled_link(link, throttle), 2)
+    got = measure_ddp(build, make_batch, loss_fn, 2, steps=5, throttle=throttle, timeout=100)
+    # Generous bounds: the throttle's sleeps dominate, but the CPU is shared.
+    assert 0.5 < pred.exposed_comm_s / got["exposed_s"] < 2.0, (pred.exposed_comm_s, got)
+    assert 0.5 < pred.step_s / got["step_s"] < 2.0, (pred.step_s, got)
+
+
+def _adam_state_bytes(rank: int) -> dict:
+    import lockstep
+
+    lockstep.init_distributed()
+    out = {}
+    for zero in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        model = lockstep.DistributedDataParallel(net)
+        opt = (lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+               if zero else torch.optim.Adam(model.parameters(), lr=1e-3))
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        # Adam's moments; its per-tensor step counters are not model-sized state.
+        out[zero] = sum(v.numel() * v.element_size() for s in opt.state.values()
+                        for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor))
+    out["params"] = sum(p.numel() for p in net.parameters())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_memory_matches_what_zero_holds():
+    from lockstep.multiproc import spawn
+    from lockstep.plan import model_state_memory
+
+    rows = spawn(_adam_state_bytes, 2, timeout=100)
+    psi = rows[0]["params"]
+    for zero in (False, True):
+        want = model_state_memory(psi, 2, 1 if zero else 0, mixed_precision=False).optimizer
+        for row in rows:  # equal tensors: ZeRO's partition splits them evenly
+            assert row[zero] == pytest.approx(want, rel=0.02)
