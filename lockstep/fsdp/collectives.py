@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor forms; older torch has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["Pending", "group_size", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
 
 
@@ -36,7 +40,7 @@ class Pending:
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group`` (1 without an initialised process group)."""
-    return dist.get_worldgroup_size(group) if dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def all_gather_into_tensor(
@@ -48,7 +52,7 @@ def all_gather_into_tensor(
         output.copy_(local)
         return Pending(None)
     try:
-        work = dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+        work = _ALL_GATHER(output, local, group=group, async_op=async_op)
         return Pending(work)
     except (RuntimeError, NotImplementedError):
         # Raised before any byte moved, on every rank alike: fall back to list all_gather.
@@ -67,7 +71,7 @@ def reduce_scatter_tensor(
         output.copy_(send)
         return Pending(None)
     try:
-        work = dist.reduce_scatter_tensor(output, send, group=group, async_op=async_op)
+        work = _REDUCE_SCATTER(output, send, group=group, async_op=async_op)
         return Pending(work)
     except (RuntimeError, NotImplementedError):
         # gloo without reduce_scatter: all-reduce everything, keep our slice (see module doc).
