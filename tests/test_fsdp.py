@@ -97,6 +97,79 @@ def _diff(model: nn.Module, ref: nn.Module) -> float:
     return max((full[k].double() - v.double()).abs().max().item() for k, v in ref.state_dict().items())
 
 
+# -- tier 1: a world of one in this process ------------------------------------------------------
+
+
+def _full_bytes(module: nn.Module) -> int:
+    unit = get_unit(module)
+    assert unit is not None
+    return sum(s.full.untyped_storage().nbytes() for s in unit.flat.slots)
+
+
+def test_shards_are_the_parameters_and_world_one_trains_like_plain():
+    ref, model = _model(), _model()
+    _shard(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()]  # same names, tie kept once
+    assert all(p.dim() == 1 for p in model.parameters())
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    for x, y in _batches(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    assert _diff(model, ref) < TOL
+    unsharded = TinyGPT().to(torch.float64)
+    unsharded.load_state_dict(full_state_dict(model))  # the full state dict loads unsharded
+
+
+def test_parameters_are_freed_after_forward_and_backward():
+    model = _shard(_model())
+    x, y = _batches(1)[0]
+    loss = _loss(model, x, y)
+    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
+    loss.backward()
+    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    kept = _shard(_model(), reshard_after_forward=False)
+    loss = _loss(kept, x, y)
+    assert _full_bytes(kept.blocks[0]) > 0  # kept for backward
+    loss.backward()
+    assert _full_bytes(kept.blocks[0]) == 0  # freed once its gradients are reduced
+
+
+def test_parameter_shared_across_units_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    lockstep.fully_shard(a)
+    lockstep.fully_shard(b)
+    with pytest.raises(ValueError, match="share a parameter"):
+        lockstep.fully_shard(nn.Sequential(a, b))
+    inner = nn.Linear(4, 4)
+    outer = nn.Sequential(inner, nn.Linear(4, 4))
+    outer[1].weight = inner.weight
+    lockstep.fully_shard(inner)
+    with pytest.raises(ValueError, match="parameter '1.weight' is shared"):
+        lockstep.fully_shard(outer)
+
+
+def test_forward_before_the_root_is_sharded_is_refused():
+    model = _model()
+    for block in model.blocks:
+        lockstep.fully_shard(block)
+    _loss(model, *_batches(1)[0])
+    with pytest.raises(RuntimeError, match="'blocks.0' already ran forward"):
+        lockstep.fully_shard(model)
+
+
+def test_parameters_on_different_devices_are_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="'1.weight' on meta"):
+        lockstep.fully_shard(model)
+    with pytest.raises(ValueError, match="already fully sharded"):
+        lockstep.fully_shard(lockstep.fully_shard(nn.Linear(2, 2)))
+
+
 # -- the checks, each against a single-process reference --------------------------------------
 
 

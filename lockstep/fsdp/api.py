@@ -85,14 +85,14 @@ def _check(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> N
             )
     for fqn, param, _ in params:
         for where, unit in nested:
-            if param in unit.flat.originals:
+            if unit.flat.replaced(param):
                 raise ValueError(
                     f"fully_shard: parameter '{fqn}' is shared with the sharded submodule '{where}'; "
                     "a parameter can belong to one unit only: shard the module that holds both uses"
                 )
     for i, (where_a, a) in enumerate(nested):
         for where_b, b in nested[i + 1 :]:
-            overlap = [p for p in a.flat.originals if p in b.flat.originals]
+            overlap = [p for p in a.flat.originals() if b.flat.replaced(p)]
             if overlap:
                 raise ValueError(
                     f"fully_shard: sharded submodules '{where_a}' and '{where_b}' share a parameter; "

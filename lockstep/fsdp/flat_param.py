@@ -54,10 +54,11 @@ class FlatShard:
     ) -> None:
         self.rank, self.size, self.compute_dtype = rank, size, compute_dtype
         self.slots: list[ParamSlot] = []
-        self.originals: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # The parameters this unit replaced, weakly (they must be freed), compared by identity.
+        self._originals: dict[int, weakref.ref[torch.Tensor]] = {}
         offset = grad_offset = 0
         for fqn, param, uses in params:
-            self.originals.add(param)
+            self._originals[id(param)] = weakref.ref(param)
             numel = param.numel()
             chunk = math.ceil(numel / size)
             flat = F.pad(param.detach().reshape(-1), (0, chunk * size - numel))
@@ -76,6 +77,15 @@ class FlatShard:
         self.grad_numel = grad_offset
         self.device = params[0][1].device if params else torch.device("cpu")
         self.use_shards()
+
+    def replaced(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the original parameters this unit shards."""
+        ref = self._originals.get(id(param))
+        return ref is not None and ref() is param
+
+    def originals(self) -> list[torch.Tensor]:
+        """The original parameters still alive elsewhere (a sign of sharing between units)."""
+        return [p for r in self._originals.values() if (p := r()) is not None]
 
     @property
     def trainable(self) -> list[ParamSlot]:
