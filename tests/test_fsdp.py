@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 from torch import nn
 
 import lockstep
 from lockstep.fsdp import MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, no_sync
+from lockstep.fsdp.api import mesh_groups
 from lockstep.fsdp.unit import get_unit
 
 STEPS = 3
@@ -173,12 +175,21 @@ def test_parameters_on_different_devices_are_refused():
 # -- the checks, each against a single-process reference --------------------------------------
 
 
-def _check_adamw(rank: int, size: int, out: dict, *, freeze: bool = False, **shard_kwargs: Any) -> None:
+def _check_adamw(
+    rank: int, size: int, out: dict, key: str, *, freeze: bool = False, **shard_kwargs: Any
+) -> None:
     ref, model = _model(), _model()
     if freeze:
         for m in (ref, model):
             m.blocks[0].qkv.requires_grad_(False)
     _shard(model, **shard_kwargs)
+    in_flight: list[int] = []  # reductions already launched when backward reaches the embedding
+
+    def probe(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        state = get_unit(model).root
+        output.register_hook(lambda grad: in_flight.append(len(state.pending)))
+
+    model.embed.register_forward_hook(probe)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
     for x, y in _batches(STEPS):
@@ -188,8 +199,8 @@ def _check_adamw(rank: int, size: int, out: dict, *, freeze: bool = False, **sha
         opt.zero_grad()
         _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
         opt.step()
-    key = "adamw" + ("_frozen" if freeze else "") + ("_keep" if shard_kwargs else "")
     out[key] = _diff(model, ref)
+    out[key + "_in_flight"] = min(in_flight)
     if freeze:
         out["frozen_grad_is_none"] = model.blocks[0].qkv.weight.grad is None
 
@@ -262,9 +273,9 @@ def fsdp_worker(rank: int) -> dict:
     lockstep.init_distributed()
     size = dist.get_world_size()
     out: dict = {}
-    _check_adamw(rank, size, out)
-    _check_adamw(rank, size, out, freeze=True)
-    _check_adamw(rank, size, out, reshard_after_forward=False)
+    _check_adamw(rank, size, out, "adamw")
+    _check_adamw(rank, size, out, "adamw_frozen", freeze=True)
+    _check_adamw(rank, size, out, "adamw_keep", reshard_after_forward=False)
     _check_no_sync(rank, size, out)
     _check_clip(rank, size, out)
     _check_mixed_precision(rank, size, out)
@@ -278,8 +289,48 @@ def test_equivalence_with_one_process(world):
         for key in ("adamw", "adamw_frozen", "adamw_keep", "no_sync"):
             assert out[key] < TOL, (key, out[key])
         assert out["clip"] < TOL, out["clip"]
+        # both blocks' reduce-scatters were in flight while backward went on (overlap)
+        assert out["adamw_in_flight"] == 2, out["adamw_in_flight"]
         assert out["frozen_grad_is_none"] and out["no_sync_no_grad"] and out["clip_clipped"]
         assert out["clip_norm"] < TOL
         # bf16 compute: same roundings as the reference; fp32 sums in another order.
         assert out["mp"] < 1e-4 < out["mp_vs_fp32"], (out["mp"], out["mp_vs_fp32"])
         assert out["mp_shard_dtype"] == "torch.float32" and out["mp_grad_dtype"] == "torch.float32"
+
+
+def hybrid_worker(rank: int) -> dict:
+    """2 × 2: shard inside {0, 1} and {2, 3}, all-reduce across {0, 2} and {1, 3}."""
+    lockstep.init_distributed()
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair = (replicate_groups[rank % 2], shard_groups[rank // 2])
+    out: dict = {}
+    _check_adamw(rank, 4, out, "hybrid", group=pair)
+    _check_clip_hybrid(rank, out, pair)
+    try:
+        lockstep.fully_shard(_model(), group=(pair[0], dist.group.WORLD))
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out["mesh_groups"] = [dist.get_process_group_ranks(g) for g in mesh_groups(mesh)]
+    out["pair_groups"] = [dist.get_process_group_ranks(g) for g in (pair[1], pair[0])]
+    return out
+
+
+def _check_clip_hybrid(rank: int, out: dict, pair: tuple) -> None:
+    ref, model = _model(), _model()
+    _shard(model, group=pair)
+    x, y = _batches(1)[0]
+    _loss(ref, x, y).backward()
+    _loss(model, _mine(x, rank, 4), _mine(y, rank, 4)).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    out["hybrid_clip_norm"] = abs(clip_grad_norm_(model, 0.1).item() - ref_norm.item())
+
+
+@pytest.mark.multirank
+def test_hybrid_two_by_two_equals_one_process():
+    for out in lockstep.spawn(hybrid_worker, 4, timeout=120):
+        assert out["hybrid"] < TOL, out["hybrid"]
+        assert out["hybrid_clip_norm"] < TOL
+        assert "does not cover the world of 4" in out["mismatch"]
+        assert out["mesh_groups"] == out["pair_groups"]  # a 2-D mesh means the same layout

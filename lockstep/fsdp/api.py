@@ -20,9 +20,15 @@ __all__ = [
     "no_sync",
     "clip_grad_norm_",
     "full_state_dict",
+    "mesh_groups",
 ]
 
 Group = Union[dist.ProcessGroup, "dist.DeviceMesh", tuple, None]
+
+
+def mesh_groups(group: Group) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group) that ``fully_shard(group=...)`` shards and replicates over."""
+    return _groups(group)
 
 
 def _groups(group: Group) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
