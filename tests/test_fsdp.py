@@ -269,6 +269,23 @@ def _check_mixed_precision(rank: int, size: int, out: dict) -> None:
     out["mp_vs_fp32"] = _diff(model, fp32)
 
 
+def _check_without_tensor_collectives(rank: int, size: int, out: dict) -> None:
+    """A gloo without the tensor all-gather/reduce-scatter: the fallbacks give the same result."""
+    names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("this backend does not support the tensor form")
+
+    try:
+        for n in saved:
+            setattr(dist, n, missing)
+        _check_adamw(rank, size, out, "adamw_fallback")
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
 def fsdp_worker(rank: int) -> dict:
     lockstep.init_distributed()
     size = dist.get_world_size()
@@ -277,6 +294,7 @@ def fsdp_worker(rank: int) -> dict:
     _check_adamw(rank, size, out, "adamw_frozen", freeze=True)
     _check_adamw(rank, size, out, "adamw_keep", reshard_after_forward=False)
     _check_no_sync(rank, size, out)
+    _check_without_tensor_collectives(rank, size, out)
     _check_clip(rank, size, out)
     _check_mixed_precision(rank, size, out)
     return out
@@ -286,7 +304,7 @@ def fsdp_worker(rank: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_equivalence_with_one_process(world):
     for out in lockstep.spawn(fsdp_worker, world, timeout=120):
-        for key in ("adamw", "adamw_frozen", "adamw_keep", "no_sync"):
+        for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync"):
             assert out[key] < TOL, (key, out[key])
         assert out["clip"] < TOL, out["clip"]
         # both blocks' reduce-scatters were in flight while backward went on (overlap)

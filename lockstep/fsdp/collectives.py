@@ -13,10 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor forms; older torch has only the old names.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 __all__ = ["Pending", "group_size", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
 
 
@@ -52,7 +48,9 @@ def all_gather_into_tensor(
         output.copy_(local)
         return Pending(None)
     try:
-        work = _ALL_GATHER(output, local, group=group, async_op=async_op)
+        # torch 2.13 renamed the tensor forms; older torch has only the old names.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(output, local, group=group, async_op=async_op)
         return Pending(work)
     except (RuntimeError, NotImplementedError):
         # Raised before any byte moved, on every rank alike: fall back to list all_gather.
@@ -71,7 +69,8 @@ def reduce_scatter_tensor(
         output.copy_(send)
         return Pending(None)
     try:
-        work = _REDUCE_SCATTER(output, send, group=group, async_op=async_op)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = scatter(output, send, group=group, async_op=async_op)
         return Pending(work)
     except (RuntimeError, NotImplementedError):
         # gloo without reduce_scatter: all-reduce everything, keep our slice (see module doc).
