@@ -24,8 +24,9 @@ import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ import lockstep
 from lockstep.fsdp.unit import get_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_zero import TinyGPT  # noqa: E402 - the same model as the ZeRO benchmark
+from bench_zero import TinyGPT
 
 # collective -> (index of the argument whose size S prices it, ring factor (N-1)/N × this)
 _PRICED = {
@@ -107,12 +108,16 @@ def _build(variant: str, args: argparse.Namespace) -> tuple[nn.Module, torch.opt
     if variant == "zero2":
         opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, reduce_gradients=True, **kwargs)
         return model, opt, [psi, 0]
-    units = list(model.blocks.layers) + [model]
+    units: list[nn.Module] = [*model.blocks.layers, model]  # type: ignore[union-attr, misc]
     for unit in units:
         lockstep.fully_shard(unit)
 
     def sample(*_: Any) -> None:  # after a unit gathered: what is gathered now, all units
-        live = sum(s.full.untyped_storage().nbytes() for u in units for s in get_unit(u).flat.slots)
+        live = 0
+        for module in units:
+            unit = get_unit(module)
+            assert unit is not None
+            live += sum(s.full.untyped_storage().nbytes() for s in unit.flat.slots)
         gathered[0] = max(gathered[0], live)
 
     for unit in units:

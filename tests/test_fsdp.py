@@ -15,20 +15,25 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import lockstep
-from lockstep.fsdp import MixedPrecisionPolicy, clip_grad_norm_, full_state_dict, no_sync
+from lockstep.fsdp import (
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    full_state_dict,
+    no_sync,
+)
 from lockstep.fsdp.api import mesh_groups
-from lockstep.fsdp.unit import get_unit
+from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 STEPS = 3
 BATCH = 12  # divisible by worlds 1, 2 and 3
 VOCAB, DIM, SEQ = 11, 10, 5  # 10x10 weights: 100 elements, not divisible by 3
 TOL = 1e-10  # float64, plain SGD: only summation order differs from the reference
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
+ADAMW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 # -- the model (module level: spawned workers import it) ---------------------------------------
@@ -70,10 +75,11 @@ def _model(dtype: torch.dtype = torch.float64) -> TinyGPT:
     return TinyGPT().to(dtype)
 
 
-def _shard(model: nn.Module, **kwargs: Any) -> nn.Module:
+def _shard(model: TinyGPT, **kwargs: Any) -> TinyGPT:
     for block in model.blocks:
         lockstep.fully_shard(block, **kwargs)
-    return lockstep.fully_shard(model, **kwargs)
+    lockstep.fully_shard(model, **kwargs)
+    return model
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,9 +108,14 @@ def _diff(model: nn.Module, ref: nn.Module) -> float:
 # -- tier 1: a world of one in this process ------------------------------------------------------
 
 
-def _full_bytes(module: nn.Module) -> int:
+def _unit(module: nn.Module) -> FSDPUnit:
     unit = get_unit(module)
     assert unit is not None
+    return unit
+
+
+def _full_bytes(module: nn.Module) -> int:
+    unit = _unit(module)
     return sum(s.full.untyped_storage().nbytes() for s in unit.flat.slots)
 
 
@@ -186,7 +197,8 @@ def _check_adamw(
     in_flight: list[int] = []  # reductions already launched when backward reaches the embedding
 
     def probe(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        state = get_unit(model).root
+        state = _unit(model).root
+        assert state is not None
         output.register_hook(lambda grad: in_flight.append(len(state.pending)))
 
     model.embed.register_forward_hook(probe)
@@ -202,7 +214,7 @@ def _check_adamw(
     out[key] = _diff(model, ref)
     out[key + "_in_flight"] = min(in_flight)
     if freeze:
-        out["frozen_grad_is_none"] = model.blocks[0].qkv.weight.grad is None
+        out["frozen_grad_is_none"] = model.get_parameter("blocks.0.qkv.weight").grad is None
 
 
 def _check_no_sync(rank: int, size: int, out: dict) -> None:
@@ -257,10 +269,10 @@ def _check_mixed_precision(rank: int, size: int, out: dict) -> None:
         for r in range(size):  # each rank's bf16 gradient, summed in fp32
             grads = torch.autograd.grad(_loss(low, _mine(x, r, size), _mine(y, r, size)), list(low.parameters()))
             for p, g in zip(ref.parameters(), grads):
-                p.grad += g.float() / size
+                p.grad = p.grad + g.float() / size if p.grad is not None else g.float() / size
         _loss(fp32, x, y).backward()
         _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
-        out["mp_grad_dtype"] = str(next(model.parameters()).grad.dtype)
+        out["mp_grad_dtype"] = str(getattr(next(model.parameters()).grad, "dtype", None))
         for opt in opts:
             opt.step()
             opt.zero_grad()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Union
+from collections.abc import Iterator
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -15,12 +16,12 @@ from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 __all__ = [
-    "fully_shard",
-    "set_requires_gradient_sync",
-    "no_sync",
     "clip_grad_norm_",
     "full_state_dict",
+    "fully_shard",
     "mesh_groups",
+    "no_sync",
+    "set_requires_gradient_sync",
 ]
 
 Group = Union[dist.ProcessGroup, "dist.DeviceMesh", tuple, None]
@@ -214,13 +215,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model's state dict (every rank gets it): each shard gathered, padding cut."""
     units = _units(module)
-    saved: list[tuple[FSDPUnit, dict]] = []
+    saved: list[FSDPUnit] = []
     try:
         for unit in units:
             values = unit.flat.gather_full_values(unit.shard_group)
-            saved.append((unit, values))
+            saved.append(unit)
             unit.flat.use_tensors(values)
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
     finally:
-        for unit, _ in saved:
+        for unit in saved:
             unit.flat.use_shards()

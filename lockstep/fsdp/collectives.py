@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "group_size", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
+__all__ = ["Pending", "all_gather_into_tensor", "all_reduce", "group_size", "reduce_scatter_tensor"]
 
 
 class Pending:

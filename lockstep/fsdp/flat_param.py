@@ -23,7 +23,7 @@ from torch import nn
 
 from lockstep.fsdp import collectives
 
-__all__ = ["ParamSlot", "FlatShard"]
+__all__ = ["FlatShard", "ParamSlot"]
 
 
 @dataclass
