@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "load_weights": "lockstep.checkpoint",
     "Runtime": "lockstep.helper.runtime",
     "ZeroRedundancyOptimizer": "lockstep.zero.optimizer",
+    "fully_shard": "lockstep.fsdp.api",
+    "MixedPrecisionPolicy": "lockstep.fsdp.mixed_precision",
     "DistributedSampler": "lockstep.sampler",
     "ProcessInfo": "lockstep.env",
     "init_distributed": "lockstep.distributed",

@@ -1,0 +1,26 @@
+"""Fully sharded data parallelism (ZeRO-3) and hybrid sharding.
+
+``flat_param`` lays a unit's parameters out as 1/N shards and gathers them back, ``unit`` holds
+the forward/backward hooks that gather, free and reduce-scatter, ``collectives`` is the one home
+of the collectives gloo may lack, ``mixed_precision`` the policy, and ``api`` ties them into
+:func:`lockstep.fully_shard`. Papers: Rajbhandari et al., "ZeRO" (2020, stage 3); Zhao et al.,
+"PyTorch FSDP" (2023).
+"""
+
+from lockstep.fsdp.api import (
+    clip_grad_norm_,
+    full_state_dict,
+    fully_shard,
+    no_sync,
+    set_requires_gradient_sync,
+)
+from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+
+__all__ = [
+    "MixedPrecisionPolicy",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "no_sync",
+    "set_requires_gradient_sync",
+]

@@ -1,0 +1,227 @@
+"""``fully_shard`` and the functions that act on a fully sharded model as a whole."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.fsdp import collectives
+from lockstep.fsdp.flat_param import FlatShard
+from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+from lockstep.fsdp.unit import FSDPUnit, get_unit
+
+__all__ = [
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "mesh_groups",
+    "no_sync",
+    "set_requires_gradient_sync",
+]
+
+Group = Union[dist.ProcessGroup, "dist.DeviceMesh", tuple, None]
+
+
+def mesh_groups(group: Group) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group) that ``fully_shard(group=...)`` shards and replicates over."""
+    return _groups(group)
+
+
+def _groups(group: Group) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group) from a group, a DeviceMesh or a (replicate, shard) pair."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group, None
+    if isinstance(group, tuple):
+        if len(group) != 2:
+            raise ValueError(f"fully_shard: group=(replicate_group, shard_group) expected, got {len(group)} groups")
+        replicate, shard = group
+    elif hasattr(group, "get_group") and hasattr(group, "ndim"):
+        if group.ndim == 1:
+            return group.get_group(), None
+        if group.ndim != 2:
+            raise ValueError(f"fully_shard: a DeviceMesh of 1 or 2 dimensions expected, got {group.ndim}")
+        replicate, shard = group.get_group(0), group.get_group(1)
+    else:
+        raise TypeError(f"fully_shard: group must be a ProcessGroup, DeviceMesh or pair, got {type(group).__name__}")
+    sizes = (dist.get_world_size(replicate), dist.get_world_size(shard))
+    if sizes[0] * sizes[1] != dist.get_world_size():
+        raise ValueError(
+            f"fully_shard: replicate group of {sizes[0]} × shard group of {sizes[1]} ranks does not "
+            f"cover the world of {dist.get_world_size()}; build both from one layout (a 2-D DeviceMesh)"
+        )
+    return shard, replicate
+
+
+def _collect(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """The parameters ``module`` manages: its own, minus those of nested units; ties merged."""
+    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        for name, param in mod._parameters.items():
+            if param is None:
+                continue
+            entry = found.setdefault(id(param), (prefix + name, param, []))
+            entry[2].append((mod, name))
+        for name, child in mod.named_children():
+            if get_unit(child) is None:
+                walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
+    return list(found.values())
+
+
+def _nested_units(module: nn.Module) -> list[tuple[str, FSDPUnit]]:
+    return [(n or "<root>", u) for n, m in module.named_modules() if (u := get_unit(m)) is not None]
+
+
+def _check(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> None:
+    name = type(module).__name__
+    if get_unit(module) is not None:
+        raise ValueError(f"fully_shard: {name} is already fully sharded; apply fully_shard once per module")
+    nested = _nested_units(module)
+    for where, unit in nested:
+        if unit.root is not None:
+            raise RuntimeError(
+                f"fully_shard: the sharded submodule '{where}' already ran forward as its own root; "
+                "call fully_shard on every block and then on the root before the first forward"
+            )
+    for fqn, param, _ in params:
+        for where, unit in nested:
+            if unit.flat.replaced(param):
+                raise ValueError(
+                    f"fully_shard: parameter '{fqn}' is shared with the sharded submodule '{where}'; "
+                    "a parameter can belong to one unit only: shard the module that holds both uses"
+                )
+    for i, (where_a, a) in enumerate(nested):
+        for where_b, b in nested[i + 1 :]:
+            overlap = [p for p in a.flat.originals() if b.flat.replaced(p)]
+            if overlap:
+                raise ValueError(
+                    f"fully_shard: sharded submodules '{where_a}' and '{where_b}' share a parameter; "
+                    "a parameter can belong to one unit only: shard their common parent instead"
+                )
+    devices = {p.device for _, p, _ in params}
+    if len(devices) > 1:
+        where = ", ".join(f"'{fqn}' on {p.device}" for fqn, p, _ in params)
+        raise ValueError(f"fully_shard: {name}'s parameters live on different devices ({where}); move them to one device first")
+    dtypes = {p.dtype for _, p, _ in params}
+    if len(dtypes) > 1:
+        where = ", ".join(f"'{fqn}' {p.dtype}" for fqn, p, _ in params)
+        raise ValueError(f"fully_shard: {name}'s parameters have different dtypes ({where}); give a unit one dtype")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    group: Group = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters across ``group``: each rank keeps 1/N of each, flat and padded.
+
+    Apply it to each block first, then to the root (a parameter belongs to the innermost sharded
+    module that holds it). The module's parameters become 1-D shards (same names), which a plain
+    torch optimizer over ``model.parameters()`` trains; forward and backward gather them.
+
+    Args:
+        module: the block or the root model; call it on every rank with identical parameters.
+        group: where to shard: ``None`` (every rank), a ProcessGroup, a 2-D DeviceMesh
+            (replicate, shard) or a pair ``(replicate_group, shard_group)`` for hybrid sharding.
+        reshard_after_forward: free the gathered parameters after forward (gather again for
+            backward); ``False`` keeps them until the end of backward (less traffic, more memory).
+        mp_policy: the :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        ValueError: already sharded, a parameter shared with another unit, parameters on
+            different devices or of different dtypes, a hybrid layout that does not fit the world.
+        RuntimeError: a sharded submodule already ran forward before the root was sharded.
+    """
+    policy = mp_policy or MixedPrecisionPolicy()
+    params = _collect(module)
+    _check(module, params)
+    shard_group, replicate_group = _groups(group)
+    initialized = dist.is_initialized()
+    rank = dist.get_rank(shard_group) if initialized else 0
+    size = dist.get_world_size(shard_group) if initialized else 1
+    own = params[0][1].dtype if params else torch.get_default_dtype()
+    flat = FlatShard(params, rank, size, policy.compute_dtype(own))
+    FSDPUnit(module, flat, shard_group, replicate_group, reshard_after_forward, policy)
+    return module
+
+
+def _units(module: nn.Module) -> list[FSDPUnit]:
+    units = [u for _, u in _nested_units(module)]
+    if not units:
+        raise ValueError(f"{type(module).__name__} has no fully sharded module; call lockstep.fully_shard first")
+    return units
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction on or off for every sharded unit in ``module`` (torch's name).
+
+    Off: each backward accumulates the full, unreduced gradients locally (memory of the whole
+    unsharded gradient); the next backward with sync on reduces the sum once.
+    """
+    for unit in _units(module):
+        unit.requires_gradient_sync = requires_gradient_sync
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate gradients without communication (as DDP's ``no_sync``)."""
+    set_requires_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(module, True)
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the sharded gradients of ``module`` by their global norm; return that norm.
+
+    ``torch.nn.utils.clip_grad_norm_`` over the shards would see this rank's pieces only; here
+    each rank's partial norm is combined over the shard group first, so every rank scales by the
+    same factor a single process would. Padding contributes zeros.
+    """
+    units = _units(module)
+    grads = [s.shard.grad for u in units for s in u.flat.trainable if s.shard.grad is not None]
+    device = units[0].flat.device
+    norm_type = float(norm_type)
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max() for g in grads), default=torch.tensor(0.0))
+        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
+        if collectives.group_size(units[0].shard_group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=units[0].shard_group)
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            total += g.detach().double().norm(norm_type) ** norm_type
+        collectives.all_reduce(total, units[0].shard_group).wait()
+        total = total ** (1.0 / norm_type)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return total.to(grads[0].dtype if grads else torch.float32)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict (every rank gets it): each shard gathered, padding cut."""
+    units = _units(module)
+    saved: list[FSDPUnit] = []
+    try:
+        for unit in units:
+            values = unit.flat.gather_full_values(unit.shard_group)
+            saved.append(unit)
+            unit.flat.use_tensors(values)
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    finally:
+        for unit in saved:
+            unit.flat.use_shards()

@@ -1,0 +1,173 @@
+"""A fully sharded unit's life in a step: the hooks that gather, free and reduce-scatter.
+
+Forward: the unit's pre-forward hook all-gathers its parameters and registers the full tensors
+on its modules; the post-forward hook frees them again (``reshard_after_forward``) and hooks the
+outputs, so that the first gradient reaching an output gathers them once more before the unit's
+own backward runs. Backward: each full parameter's post-accumulate-grad hook counts the
+gradients; when the last one has arrived the unit frees its parameters and launches an
+asynchronous reduce-scatter of its gradients, which overlaps with the backward of the units
+before it. The root's end-of-backward callback waits for every reduction and writes each rank's
+chunk into its shards' ``.grad`` (after an all-reduce across replicas under hybrid sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from lockstep.fsdp import collectives
+from lockstep.fsdp.flat_param import FlatShard
+from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+from lockstep.tensors import iter_tensors
+
+__all__ = ["FSDPUnit", "RootState", "get_unit"]
+
+_ATTR = "_lockstep_fsdp_unit"
+
+
+def get_unit(module: nn.Module) -> FSDPUnit | None:
+    """The unit ``fully_shard`` made of ``module``, or ``None``."""
+    return module.__dict__.get(_ATTR)
+
+
+@dataclass
+class RootState:
+    """What the units under one root share during a step: the reductions still in flight."""
+
+    units: list[FSDPUnit]
+    pending: list[tuple[FSDPUnit, collectives.Pending, torch.Tensor]] = field(default_factory=list)
+    callback_queued: bool = False
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what did not get every gradient, then land every reduction."""
+        self.callback_queued = False
+        for unit in reversed(self.units):
+            if unit.backward_open:
+                unit.post_backward()
+        for unit, pending, reduced in self.pending:
+            pending.wait()
+            unit.land(reduced)
+        self.pending.clear()
+
+
+class FSDPUnit:
+    """The sharding state of one module given to ``fully_shard``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        flat: FlatShard,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.module, self.flat = module, flat
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.root: RootState | None = None
+        self.is_root = False
+        self.requires_gradient_sync = True
+        self.unsharded = False
+        self.backward_open = False  # gathered for backward, gradients not yet reduced
+        self._ready = 0
+        module.__dict__[_ATTR] = self
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        for slot in flat.trainable:
+            slot.full.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- root -----------------------------------------------------------------------------------
+
+    def _lazy_init_root(self) -> None:
+        units = [u for m in self.module.modules() if (u := get_unit(m)) is not None]
+        state = RootState(units)
+        for unit in units:
+            unit.root = state
+        self.is_root = True
+
+    # -- gather and free ------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """All-gather the full parameters into the modules (no-op when already there)."""
+        if not self.unsharded:
+            out = self.flat.gather_output()
+            if out.numel():
+                collectives.all_gather_into_tensor(out, self.flat.gather_input(), self.shard_group).wait()
+            self.flat.fill_full(out)
+            self.unsharded = True
+        self.flat.use_full()
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules show the shards again."""
+        self.flat.use_shards()
+        if self.unsharded:
+            self.flat.free_full()
+            self.unsharded = False
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.root is None:
+            self._lazy_init_root()
+        self.unshard()
+        return self.mp_policy.cast_inputs(args), self.mp_policy.cast_inputs(kwargs)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.reshard_after_forward:
+            self.reshard()
+        else:
+            self.flat.use_shards()
+        if torch.is_grad_enabled():
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if not self.backward_open:
+            self.backward_open = True
+            self._ready = 0
+            self.unshard()
+            self.flat.use_shards()  # the graph holds the full tensors; users see the shards
+            assert self.root is not None
+            self.root.queue_final_callback()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._ready += 1
+        if self.backward_open and self._ready == len(self.flat.trainable):
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Free the parameters and start reducing the gradients (or stash them, without sync)."""
+        self.backward_open = False
+        self.reshard()
+        if not self.flat.trainable:
+            return
+        if not self.requires_gradient_sync:
+            self.flat.stash_grads()
+            return
+        dtype = self.mp_policy.gradient_dtype(self.flat.trainable[0].shard.dtype)
+        send = self.flat.grad_send(dtype)
+        reduced = torch.empty(self.flat.grad_numel, dtype=dtype, device=send.device)
+        pending = collectives.reduce_scatter_tensor(reduced, send.view(-1), self.shard_group, async_op=True)
+        assert self.root is not None
+        self.root.pending.append((self, pending, reduced))
+
+    def land(self, reduced: torch.Tensor) -> None:
+        """Write a finished reduction into the shards' gradients (averaged across replicas)."""
+        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+            reduced.div_(dist.get_world_size(self.replicate_group))
+            collectives.all_reduce(reduced, self.replicate_group).wait()
+        self.flat.set_shard_grads(reduced)

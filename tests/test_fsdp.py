@@ -1,0 +1,366 @@
+"""Tests of lockstep.fully_shard (full sharding, ZeRO-3) on gloo/CPU.
+
+Tiers: a world of one in this process (layout, freeing, errors); worlds of 2 and 3 through
+``lockstep.spawn``, each running every equivalence check in one world against a single-process
+reference on the whole batch: AdamW on a small transformer (per-block units, uneven shards, a
+tied embedding/head inside the root unit), frozen parameters, accumulation without
+communication, global-norm clipping, ``reshard_after_forward=False`` and mixed precision.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import lockstep
+from lockstep.fsdp import (
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    full_state_dict,
+    no_sync,
+)
+from lockstep.fsdp.api import mesh_groups
+from lockstep.fsdp.unit import FSDPUnit, get_unit
+
+STEPS = 3
+BATCH = 12  # divisible by worlds 1, 2 and 3
+VOCAB, DIM, SEQ = 11, 10, 5  # 10x10 weights: 100 elements, not divisible by 3
+TOL = 1e-10  # float64, plain SGD: only summation order differs from the reference
+ADAMW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+# -- the model (module level: spawned workers import it) ---------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # No qkv bias: the key bias's gradient is exactly zero (softmax ignores a shift of the
+        # scores), and Adam would turn its rounding noise into full-size steps.
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim + 1), nn.Linear(2 * dim + 1, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(DIM) for _ in range(layers)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied, inside the root unit
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _model(dtype: torch.dtype = torch.float64) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT().to(dtype)
+
+
+def _shard(model: TinyGPT, **kwargs: Any) -> TinyGPT:
+    for block in model.blocks:
+        lockstep.fully_shard(block, **kwargs)
+    lockstep.fully_shard(model, **kwargs)
+    return model
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x).flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y.flatten())
+
+
+def _mine(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    per = len(t) // size
+    return t[rank * per : (rank + 1) * per]
+
+
+def _diff(model: nn.Module, ref: nn.Module) -> float:
+    full = full_state_dict(model)
+    return max((full[k].double() - v.double()).abs().max().item() for k, v in ref.state_dict().items())
+
+
+# -- tier 1: a world of one in this process ------------------------------------------------------
+
+
+def _unit(module: nn.Module) -> FSDPUnit:
+    unit = get_unit(module)
+    assert unit is not None
+    return unit
+
+
+def _full_bytes(module: nn.Module) -> int:
+    unit = _unit(module)
+    return sum(s.full.untyped_storage().nbytes() for s in unit.flat.slots)
+
+
+def test_shards_are_the_parameters_and_world_one_trains_like_plain():
+    ref, model = _model(), _model()
+    _shard(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()]  # same names, tie kept once
+    assert all(p.dim() == 1 for p in model.parameters())
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    for x, y in _batches(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    assert _diff(model, ref) < TOL
+    unsharded = TinyGPT().to(torch.float64)
+    unsharded.load_state_dict(full_state_dict(model))  # the full state dict loads unsharded
+
+
+def test_parameters_are_freed_after_forward_and_backward():
+    model = _shard(_model())
+    x, y = _batches(1)[0]
+    loss = _loss(model, x, y)
+    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
+    loss.backward()
+    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    kept = _shard(_model(), reshard_after_forward=False)
+    loss = _loss(kept, x, y)
+    assert _full_bytes(kept.blocks[0]) > 0  # kept for backward
+    loss.backward()
+    assert _full_bytes(kept.blocks[0]) == 0  # freed once its gradients are reduced
+
+
+def test_parameter_shared_across_units_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    lockstep.fully_shard(a)
+    lockstep.fully_shard(b)
+    with pytest.raises(ValueError, match="share a parameter"):
+        lockstep.fully_shard(nn.Sequential(a, b))
+    inner = nn.Linear(4, 4)
+    outer = nn.Sequential(inner, nn.Linear(4, 4))
+    outer[1].weight = inner.weight
+    lockstep.fully_shard(inner)
+    with pytest.raises(ValueError, match="parameter '1.weight' is shared"):
+        lockstep.fully_shard(outer)
+
+
+def test_forward_before_the_root_is_sharded_is_refused():
+    model = _model()
+    for block in model.blocks:
+        lockstep.fully_shard(block)
+    _loss(model, *_batches(1)[0])
+    with pytest.raises(RuntimeError, match="'blocks.0' already ran forward"):
+        lockstep.fully_shard(model)
+
+
+def test_parameters_on_different_devices_are_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="'1.weight' on meta"):
+        lockstep.fully_shard(model)
+    with pytest.raises(ValueError, match="already fully sharded"):
+        lockstep.fully_shard(lockstep.fully_shard(nn.Linear(2, 2)))
+
+
+# -- the checks, each against a single-process reference --------------------------------------
+
+
+def _check_adamw(
+    rank: int, size: int, out: dict, key: str, *, freeze: bool = False, **shard_kwargs: Any
+) -> None:
+    ref, model = _model(), _model()
+    if freeze:
+        for m in (ref, model):
+            m.blocks[0].qkv.requires_grad_(False)
+    _shard(model, **shard_kwargs)
+    in_flight: list[int] = []  # reductions already launched when backward reaches the embedding
+
+    def probe(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        state = _unit(model).root
+        assert state is not None
+        output.register_hook(lambda grad: in_flight.append(len(state.pending)))
+
+    model.embed.register_forward_hook(probe)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    for x, y in _batches(STEPS):
+        ref_opt.zero_grad()
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+        opt.step()
+    out[key] = _diff(model, ref)
+    out[key + "_in_flight"] = min(in_flight)
+    if freeze:
+        out["frozen_grad_is_none"] = model.get_parameter("blocks.0.qkv.weight").grad is None
+
+
+def _check_no_sync(rank: int, size: int, out: dict) -> None:
+    """Two micro-batches without communication, the third with: equal to the summed gradient."""
+    ref, model = _model(), _model()
+    _shard(model)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    batches = _batches(3)
+    for x, y in batches:
+        _loss(ref, x, y).backward()
+    ref_opt.step()
+    with no_sync(model):
+        for x, y in batches[:2]:
+            _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+    out["no_sync_no_grad"] = all(p.grad is None for p in model.parameters())
+    x, y = batches[2]
+    _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+    opt.step()
+    out["no_sync"] = _diff(model, ref)
+
+
+def _check_clip(rank: int, size: int, out: dict) -> None:
+    ref, model = _model(), _model()
+    _shard(model)
+    x, y = _batches(1)[0]
+    _loss(ref, x, y).backward()
+    _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    norm = clip_grad_norm_(model, 0.1)
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out["clip_norm"] = abs(norm.item() - ref_norm.item())
+    out["clip_clipped"] = ref_norm.item() > 0.1
+    out["clip"] = _diff(model, ref)
+
+
+def _check_mixed_precision(rank: int, size: int, out: dict) -> None:
+    """bf16 compute, fp32 reduction, fp32 shards vs one process doing the same arithmetic.
+
+    The reference casts its fp32 master weights to bf16, computes each rank's part of the batch
+    in bf16 and averages the gradients in fp32 (``mp``: only the order of the fp32 sums differs).
+    ``mp_vs_fp32`` is how far bf16 compute is from fp32 compute at all: the scale of the first.
+    """
+    ref, model, fp32 = _model(torch.float32), _model(torch.float32), _model(torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _shard(model, mp_policy=policy)
+    opts = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (ref, model, fp32)]
+    for x, y in _batches(STEPS):
+        low = copy.deepcopy(ref).to(torch.bfloat16)
+        for p in ref.parameters():
+            p.grad = torch.zeros_like(p)
+        for r in range(size):  # each rank's bf16 gradient, summed in fp32
+            grads = torch.autograd.grad(_loss(low, _mine(x, r, size), _mine(y, r, size)), list(low.parameters()))
+            for p, g in zip(ref.parameters(), grads):
+                p.grad = p.grad + g.float() / size if p.grad is not None else g.float() / size
+        _loss(fp32, x, y).backward()
+        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+        out["mp_grad_dtype"] = str(getattr(next(model.parameters()).grad, "dtype", None))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out["mp_shard_dtype"] = str(next(model.parameters()).dtype)
+    out["mp"] = _diff(model, ref)
+    out["mp_vs_fp32"] = _diff(model, fp32)
+
+
+def _check_without_tensor_collectives(rank: int, size: int, out: dict) -> None:
+    """A gloo without the tensor all-gather/reduce-scatter: the fallbacks give the same result."""
+    names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("this backend does not support the tensor form")
+
+    try:
+        for n in saved:
+            setattr(dist, n, missing)
+        _check_adamw(rank, size, out, "adamw_fallback")
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def fsdp_worker(rank: int) -> dict:
+    lockstep.init_distributed()
+    size = dist.get_world_size()
+    out: dict = {}
+    _check_adamw(rank, size, out, "adamw")
+    _check_adamw(rank, size, out, "adamw_frozen", freeze=True)
+    _check_adamw(rank, size, out, "adamw_keep", reshard_after_forward=False)
+    _check_no_sync(rank, size, out)
+    _check_without_tensor_collectives(rank, size, out)
+    _check_clip(rank, size, out)
+    _check_mixed_precision(rank, size, out)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 3])
+def test_equivalence_with_one_process(world):
+    for out in lockstep.spawn(fsdp_worker, world, timeout=120):
+        for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync"):
+            assert out[key] < TOL, (key, out[key])
+        assert out["clip"] < TOL, out["clip"]
+        # both blocks' reduce-scatters were in flight while backward went on (overlap)
+        assert out["adamw_in_flight"] == 2, out["adamw_in_flight"]
+        assert out["frozen_grad_is_none"] and out["no_sync_no_grad"] and out["clip_clipped"]
+        assert out["clip_norm"] < TOL
+        # bf16 compute: same roundings as the reference; fp32 sums in another order.
+        assert out["mp"] < 1e-4 < out["mp_vs_fp32"], (out["mp"], out["mp_vs_fp32"])
+        assert out["mp_shard_dtype"] == "torch.float32" and out["mp_grad_dtype"] == "torch.float32"
+
+
+def hybrid_worker(rank: int) -> dict:
+    """2 × 2: shard inside {0, 1} and {2, 3}, all-reduce across {0, 2} and {1, 3}."""
+    lockstep.init_distributed()
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair = (replicate_groups[rank % 2], shard_groups[rank // 2])
+    out: dict = {}
+    _check_adamw(rank, 4, out, "hybrid", group=pair)
+    _check_clip_hybrid(rank, out, pair)
+    try:
+        lockstep.fully_shard(_model(), group=(pair[0], dist.group.WORLD))
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out["mesh_groups"] = [dist.get_process_group_ranks(g) for g in mesh_groups(mesh)]
+    out["pair_groups"] = [dist.get_process_group_ranks(g) for g in (pair[1], pair[0])]
+    return out
+
+
+def _check_clip_hybrid(rank: int, out: dict, pair: tuple) -> None:
+    ref, model = _model(), _model()
+    _shard(model, group=pair)
+    x, y = _batches(1)[0]
+    _loss(ref, x, y).backward()
+    _loss(model, _mine(x, rank, 4), _mine(y, rank, 4)).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    out["hybrid_clip_norm"] = abs(clip_grad_norm_(model, 0.1).item() - ref_norm.item())
+
+
+@pytest.mark.multirank
+def test_hybrid_two_by_two_equals_one_process():
+    for out in lockstep.spawn(hybrid_worker, 4, timeout=120):
+        assert out["hybrid"] < TOL, out["hybrid"]
+        assert out["hybrid_clip_norm"] < TOL
+        assert "does not cover the world of 4" in out["mismatch"]
+        assert out["mesh_groups"] == out["pair_groups"]  # a 2-D mesh means the same layout
