@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from lockstep import progress
 from lockstep.env import ProcessInfo, default_backend, detect_process_info
 
 __all__ = ["init_distributed", "shutdown_distributed", "current_process_info", "pick_device"]
@@ -98,6 +99,7 @@ def init_distributed(
             timeout=timeout,
         )
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
+    progress.tracker()  # publish this rank's progress from now on (see lockstep.hang)
     return replace(info, device=dev, backend=backend)
 
 
@@ -122,4 +124,5 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
 def shutdown_distributed() -> None:
     """Destroy the default group if there is one; safe to call twice."""
     if dist.is_initialized():
+        progress.close_tracker()  # peers waiting for this rank learn that it exited
         dist.destroy_process_group()

@@ -57,6 +57,9 @@ def _worker(fn: Callable, rank: int, args: Sequence, env: dict, results: Any) ->
         import torch.distributed as dist
 
         if dist.is_initialized():
+            from lockstep.progress import close_tracker
+
+            close_tracker()  # peers still waiting for this rank learn that it exited
             dist.destroy_process_group()
 
 

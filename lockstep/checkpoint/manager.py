@@ -45,6 +45,7 @@ from lockstep.checkpoint.state import (
     object_state,
     restore_rng,
 )
+from lockstep import hang
 from lockstep.watchdog import wait_for_peers
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
@@ -137,14 +138,15 @@ class Checkpointer:
         # The path as given, not resolved: machines may mount a shared filesystem differently.
         where = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
         missing = wait_for_peers(
-            f"checkpoint/{where}/{self._calls}", self.timeout, self.process_group
+            f"checkpoint/{where}/{self._calls}", self.timeout, self.process_group,
+            what=f"Checkpointer.{call}",
         )
         if missing:
-            raise CheckpointError(
+            raise CheckpointError(hang.describe_missing(missing, (
                 f"rank {dist.get_rank()} waited {self.timeout.total_seconds():g}s in "
                 f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
                 "and restore() on every rank, not only on rank 0."
-            )
+            )))
 
     # -- ranks -------------------------------------------------------------------------------
 

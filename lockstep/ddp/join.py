@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lockstep import hang
 from lockstep.ddp.replica_sync import broadcast_coalesced
+from lockstep.progress import GroupProgress
 
 if TYPE_CHECKING:
     from lockstep.ddp.wrapper import DistributedDataParallel
@@ -40,6 +42,7 @@ class UnevenInputs:
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.throw_on_early_termination = throw_on_early_termination
         self.iterations = 0
+        self.progress = GroupProgress(ddp.process_group)  # names a rank that never arrives
 
     def _exchange(self, active: bool, sync: bool) -> tuple[int, int, int | None]:
         """All-reduce who is active and whether backward syncs.
@@ -52,7 +55,8 @@ class UnevenInputs:
         flags = torch.zeros(world + 1, dtype=torch.int32, device=self.ddp._device)
         flags[0] = int(sync)
         flags[1 + dist.get_rank(self.ddp.process_group)] = int(active)
-        dist.all_reduce(flags, group=self.ddp.process_group)
+        hang.run(self.progress, "DDP join announcement",
+                 lambda: dist.all_reduce(flags, group=self.ddp.process_group))
         active_ranks = flags[1:].nonzero().flatten().tolist()
         src = dist.get_global_rank(self.ddp.process_group, active_ranks[0]) if active_ranks else None
         return len(active_ranks), int(flags[0]), src
@@ -100,10 +104,12 @@ class UnevenInputs:
         rank = dist.get_rank(group)
         key = torch.tensor([self.iterations * world + (world - 1 - rank)], dtype=torch.int64,
                            device=self.ddp._device)
-        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group)
+        hang.run(self.progress, "DDP join: who ran longest",
+                 lambda: dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group))
         src_group_rank = world - 1 - int(key) % world
         src = dist.get_global_rank(group, src_group_rank)
         module = self.ddp.module
         state = [p.data for p in module.parameters()] + list(module.buffers())
-        broadcast_coalesced(state, src, group)
+        hang.run(self.progress, "DDP join: final model broadcast",
+                 lambda: broadcast_coalesced(state, src, group))
         logger.debug("join: final model taken from rank %d", src)

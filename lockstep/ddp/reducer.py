@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from lockstep import collective_checks
+from lockstep import collective_checks, hang
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
 from lockstep.ddp.timing import StepClock
+from lockstep.progress import GroupProgress
 
 __all__ = ["Reducer"]
 
@@ -63,6 +64,8 @@ class Reducer:
         self.grad_scale = 1.0
         # LOCKSTEP_DEBUG_COLLECTIVES=1: before each bucket, check every rank reduces the same one.
         self._debug = collective_checks.debug_collectives_enabled()
+        # Step, phase and collective counts for naming a peer that never arrives (memory only).
+        self.progress = GroupProgress(group)
         self._specs = [BucketSpec.of(p) for p in self.params]
         self._rebuilt = False
         self._arrival: list[int] = []
@@ -104,7 +107,9 @@ class Reducer:
         device = self.params[0].device
         if dist.get_backend(self.group) == "nccl":
             order = order.to(device)
-        dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
+        src = dist.get_global_rank(self.group, 0)
+        hang.run(self.progress, "DDP bucket-order broadcast",
+                 lambda: dist.broadcast(order, src=src, group=self.group))
         self._build(order.cpu().tolist())
         self._rebuilt = True
         self._arrival = []
@@ -114,6 +119,7 @@ class Reducer:
         self._pending = [len(b.param_indices) for b in self.buckets]
         self._ready = [False] * len(self.params)
         self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
+        self._seqs = [0] * len(self.buckets)
         self._next_launch = 0
         self._callback_queued = False
 
@@ -132,6 +138,7 @@ class Reducer:
             if not self._rebuilt:
                 self._arrival = []
         self._active = sync
+        self.progress.begin_step("after forward, before backward")
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -144,6 +151,7 @@ class Reducer:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finalize)
             self._callback_queued = True
+            self.progress.set_phase("backward")
             if self.clock is not None:
                 self.clock.backward_started()
         if self._ready[i]:
@@ -180,6 +188,8 @@ class Reducer:
                 collective_checks.check_collective(
                     f"all_reduce(bucket {bucket.index})", [bucket.buffer], self.group
                 )
+            self._seqs[bucket.index] = self.progress.enter(
+                f"DDP gradient all-reduce (bucket {bucket.index})")
             self._futures[bucket.index] = self.comm_hook(self.comm_state, grad_bucket)
             self._next_launch += 1
 
@@ -203,8 +213,11 @@ class Reducer:
 
     def _wait_all(self) -> None:
         start = time.perf_counter()
-        for bucket, fut in zip(self.buckets, self._futures):
-            result = fut.wait()
+        self.progress.set_phase("waiting for the gradient all-reduces")
+        for bucket, fut, seq in zip(self.buckets, self._futures, self._seqs):
+            # A peer that never arrives is named (step, phase, alive or gone), not just timed out.
+            result = hang.wait(self.progress, seq, f"DDP gradient all-reduce (bucket "
+                               f"{bucket.index} of {len(self.buckets)})", fut)
             if isinstance(result, list):
                 result = result[0]
             if result is not bucket.buffer:
@@ -239,6 +252,7 @@ class Reducer:
         finally:
             self._active = False
             self._reset_iteration()  # after a rebuild: sized for the new buckets
+            self.progress.set_phase("after backward (optimizer step, data loading, next forward)")
         if self.clock is not None:
             self.clock.backward_ended()
 
@@ -246,7 +260,8 @@ class Reducer:
         """Parameters no rank used; one small all-reduce, only with find_unused_parameters."""
         used = torch.ones(len(self.params), dtype=torch.int32, device=self.params[0].device)
         used[unready] = 0
-        dist.all_reduce(used, group=self.group)
+        hang.run(self.progress, "DDP unused-parameter count",
+                 lambda: dist.all_reduce(used, group=self.group))
         return {i for i, count in enumerate(used.tolist()) if count == 0}
 
     def _publish_gradients(
@@ -283,7 +298,9 @@ class Reducer:
             zeros = torch.zeros_like(bucket.buffer)
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                      bucket.index == last)
-            self.comm_hook(self.comm_state, grad_bucket).wait()
+            seq = self.progress.enter(f"DDP gradient all-reduce (bucket {bucket.index}, joined)")
+            hang.wait(self.progress, seq, f"DDP gradient all-reduce (bucket {bucket.index} of "
+                      f"{len(self.buckets)}, joined rank)", self.comm_hook(self.comm_state, grad_bucket))
         if self.find_unused:
             self._globally_unused(list(range(len(self.params))))
         if not self._rebuilt:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from lockstep import hang
 from lockstep.ddp.bucket import MB
 from lockstep.ddp.join import UnevenInputs
 from lockstep.ddp.reducer import Reducer
@@ -163,7 +164,8 @@ class DistributedDataParallel(nn.Module):
     def _sync_buffers(self, src: int) -> None:
         """Broadcast buffers from global rank ``src`` (rank 0, or an active rank under join)."""
         if self._reducer is not None and self.broadcast_buffers and self._buffers_to_sync:
-            broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+            hang.run(self._reducer.progress, "DDP buffer broadcast",
+                     lambda: broadcast_coalesced(self._buffers_to_sync, src, self.process_group))
 
     @contextlib.contextmanager
     def join(
