@@ -46,7 +46,7 @@ _PREFIX = "lockstep/progress"
 _STORE_TIMEOUT = timedelta(seconds=10)
 
 # One tracker per default process group; weak, so a destroyed group takes its tracker along.
-_TRACKERS: "weakref.WeakKeyDictionary[Any, ProgressTracker]" = weakref.WeakKeyDictionary()
+_TRACKERS: weakref.WeakKeyDictionary[Any, ProgressTracker] = weakref.WeakKeyDictionary()
 _TRACKERS_LOCK = threading.Lock()
 
 
@@ -167,7 +167,7 @@ class ProgressTracker:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
-            except Exception:  # noqa: BLE001 - the store's host left: nobody is listening
+            except Exception:
                 logger.debug("progress: the store is unreachable; stop publishing", exc_info=True)
                 return
 
@@ -179,7 +179,7 @@ class ProgressTracker:
         self._state = "exited"
         try:
             self._publish()
-        except Exception:  # noqa: BLE001 - the store may be gone already
+        except Exception:
             logger.debug("progress: could not publish the exit record", exc_info=True)
         atexit.unregister(self.close)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep import hang
 from lockstep.checkpoint.io import (
     CheckpointError,
     check_loadable,
@@ -45,7 +46,6 @@ from lockstep.checkpoint.state import (
     object_state,
     restore_rng,
 )
-from lockstep import hang
 from lockstep.watchdog import wait_for_peers
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
