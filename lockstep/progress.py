@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -96,10 +97,16 @@ class ProgressTracker:
         store: the job's store (this tracker publishes through a clone: its own connection).
         rank: this process's global rank.
         interval: seconds between publications.
+        hosted_peers: when this process hosts the store, every rank of the job: at exit it
+            waits a moment for their exit records, since a store that vanishes under a peer
+            still publishing makes that peer's torch print a C++ stack trace after a good job.
     """
 
-    def __init__(self, store: Any, rank: int, interval: float) -> None:
+    def __init__(
+        self, store: Any, rank: int, interval: float, hosted_peers: list[int] | None = None
+    ) -> None:
         self.rank = rank
+        self.hosted_peers = hosted_peers
         self.interval = interval
         self.step = 0
         self.phase = "started"
@@ -176,12 +183,22 @@ class ProgressTracker:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._thread.join(timeout=self.interval)
         self._state = "exited"
         try:
             self._publish()
+            if self.hosted_peers:
+                self._await_exits(self.hosted_peers, time.monotonic() + 2 * self.interval)
         except Exception:
             logger.debug("progress: could not publish the exit record", exc_info=True)
         atexit.unregister(self.close)
+
+    def _await_exits(self, peers: list[int], deadline: float) -> None:
+        waiting = set(peers) - {self.rank}
+        while waiting and time.monotonic() < deadline:
+            records = self.read(sorted(waiting))
+            waiting = {r for r, rec in records.items() if not rec or rec["state"] != "exited"}
+            time.sleep(0.05)
 
     # ---- reading peers ------------------------------------------------------------------------
     def read(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
@@ -204,7 +221,9 @@ def tracker() -> ProgressTracker | None:
             store = default_store()
             if store is None:
                 return None
-            found = ProgressTracker(store, dist.get_rank(), publish_interval())
+            found = ProgressTracker(
+                store, dist.get_rank(), publish_interval(), _peers_if_hosting_store()
+            )
             _TRACKERS[world] = found
         return found
 
@@ -217,6 +236,14 @@ def close_tracker() -> None:
         found = _TRACKERS.pop(dist.group.WORLD, None)
     if found is not None:
         found.close()
+
+
+def _peers_if_hosting_store() -> list[int] | None:
+    # Under torchrun and `lockstep run` the agent hosts the store and outlives the workers;
+    # otherwise (lockstep.spawn, srun, tcp://) rank 0 does.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    return list(range(dist.get_world_size())) if dist.get_rank() == 0 else None
 
 
 class GroupProgress:
