@@ -27,6 +27,7 @@ __all__ = [
     "BLAME_FILE",
     "CollectiveTimeoutError",
     "Culprit",
+    "call_as",
     "describe_missing",
     "read_blame",
     "run",
@@ -111,7 +112,11 @@ def wait(progress: GroupProgress, seq: int, op: str, future: Any) -> Any:
 
 def run(progress: GroupProgress, op: str, call: Callable[[], Any]) -> Any:
     """Run a blocking collective ``call()`` counted as ``op``; on failure, name who is missing."""
-    seq = progress.enter(op)
+    return call_as(progress, progress.enter(op), op, call)
+
+
+def call_as(progress: GroupProgress, seq: int, op: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on behalf of collective number ``seq`` (e.g. a comm hook that launches it)."""
     start = time.monotonic()
     try:
         return call()
@@ -126,14 +131,8 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
         return cause
     try:
         culprits, silent_s = _find_culprits(progress, seq, cause)
-    except Exception:  # noqa: BLE001 - the store's host (rank 0 of the job) may be the one gone
-        host = progress.ranks[0]
-        error = CollectiveTimeoutError(
-            f"rank {progress.tracker.rank}: {op} failed after {waited:.1f}s and the rendezvous "
-            f"store cannot say who is missing: its host (rank {host}, or the launcher) is "
-            f"probably gone. Backend error: {_first_line(cause)}", op, [],
-        )
-        return error
+    except Exception:  # noqa: BLE001 - the store's host may be the one gone
+        return _store_gone(progress.tracker.rank, op, cause, waited)
     if not culprits:
         return cause
     me = progress.tracker.rank
@@ -145,6 +144,21 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
     )
     write_blame(me, [c.as_dict() for c in culprits], str(error))
     return error
+
+
+def _store_gone(me: int, op: str, cause: Exception, waited: float) -> CollectiveTimeoutError:
+    """The store cannot be read: its host is gone (rank 0, or the launcher's agent)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        host, blamed = "the launcher that hosts the job's store", []
+    else:
+        host, blamed = "rank 0, which hosts the job's store,", [0]
+    message = (
+        f"rank {me}: {op} failed after {waited:.1f}s and the store cannot be read: {host} is "
+        f"gone (it exited or died). Backend error: {_first_line(cause)}"
+    )
+    if blamed:
+        write_blame(me, [{"rank": 0, "state": "gone"}], message)
+    return CollectiveTimeoutError(message, op, blamed)
 
 
 def _find_culprits(

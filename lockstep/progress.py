@@ -112,6 +112,8 @@ class ProgressTracker:
         self.phase = "started"
         self.last_op = ""
         self.counts: dict[str, int] = {}
+        # GroupProgress per process group, for group_progress() (weak: groups come and go).
+        self.groups: weakref.WeakKeyDictionary[Any, GroupProgress] = weakref.WeakKeyDictionary()
         self.host = socket.gethostname()
         self._store = store
         self._beat = 0
@@ -273,5 +275,16 @@ class GroupProgress:
 
 
 def group_progress(group: Any = None) -> GroupProgress:
-    """A :class:`GroupProgress` for ``group`` (``None``: the default group)."""
-    return GroupProgress(group)
+    """The :class:`GroupProgress` of ``group`` (``None``: the default group), built once.
+
+    For code that has no object to keep one in (a module-level function on the hot path).
+    """
+    found = tracker()
+    key = group if group is not None else dist.group.WORLD
+    cache = found.groups if found is not None else None
+    cached = cache.get(key) if cache is not None else None
+    if cached is None:
+        cached = GroupProgress(group)
+        if cache is not None:
+            cache[key] = cached
+    return cached

@@ -27,7 +27,7 @@ from lockstep.collective_checks import (
     signature,
 )
 from lockstep.hang import CollectiveTimeoutError, write_blame
-from lockstep.progress import default_store, tracker
+from lockstep.progress import GroupProgress, default_store, tracker
 
 __all__ = ["CollectiveTimeoutError", "CollectiveWatchdog", "wait_for_peers"]
 
@@ -113,6 +113,7 @@ class CollectiveWatchdog:
         self._store = default_store()
         self._group_key = f"{_PREFIX}/{name}/{'-'.join(map(str, self._ranks))}"
         self._seq = 0
+        self._progress = GroupProgress(process_group)  # peers' errors say where this rank is
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class CollectiveWatchdog:
         self._seq += 1
         op = f"{name} #{self._seq}"
         self._announce(op)
+        self._progress.enter(f"watchdog {op}")
         if self.debug:
             self._compare(op, signature(name, tensors))
         work = launch()

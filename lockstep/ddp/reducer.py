@@ -188,9 +188,10 @@ class Reducer:
                 collective_checks.check_collective(
                     f"all_reduce(bucket {bucket.index})", [bucket.buffer], self.group
                 )
-            self._seqs[bucket.index] = self.progress.enter(
-                f"DDP gradient all-reduce (bucket {bucket.index})")
-            self._futures[bucket.index] = self.comm_hook(self.comm_state, grad_bucket)
+            op = f"DDP gradient all-reduce (bucket {bucket.index})"
+            seq = self._seqs[bucket.index] = self.progress.enter(op)
+            self._futures[bucket.index] = hang.call_as(
+                self.progress, seq, op, lambda gb=grad_bucket: self.comm_hook(self.comm_state, gb))
             self._next_launch += 1
 
     # ---- end of backward -----------------------------------------------------------------
