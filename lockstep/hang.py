@@ -85,7 +85,7 @@ class Culprit:
             return (f"{who} did not arrive: it is alive but stuck at {self.where()} "
                     f"(inspect it: py-spy dump --pid {self.record.get('pid')})")
         if self.state == "gone":
-            return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or "
+            return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or froze, or "
                     f"its machine was lost); it was last at {self.where()}")
         if self.state == "exited":
             return (f"{who} exited while its peers still needed it, at {self.where()}: it left "
