@@ -65,7 +65,7 @@ def _majority(signatures: Sequence[str]) -> str:
 
 
 def odd_ranks(signatures: Sequence[str], ranks: Sequence[int] | None = None) -> list[int]:
-    """The ranks whose signature differs from the most common one (see :func:`describe_mismatch`)."""
+    """The ranks whose signature differs from the most common one (as :func:`describe_mismatch`)."""
     ranks = list(range(len(signatures))) if ranks is None else list(ranks)
     majority = _majority(signatures)
     return [r for r, sig in zip(ranks, signatures) if sig != majority]

@@ -85,8 +85,8 @@ class Culprit:
             return (f"{who} did not arrive: it is alive but stuck at {self.where()} "
                     f"(inspect it: py-spy dump --pid {self.record.get('pid')})")
         if self.state == "gone":
-            return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or froze, or "
-                    f"its machine was lost); it was last at {self.where()}")
+            return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or "
+                    f"froze, or its machine was lost); it was last at {self.where()}")
         if self.state == "exited":
             return (f"{who} exited while its peers still needed it, at {self.where()}: it left "
                     "the training loop early (uneven data? DistributedSampler(drop_last=True) "

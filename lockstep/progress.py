@@ -1,4 +1,4 @@
-"""Each rank's progress — step, phase, collectives entered — kept in memory, published in the background.
+"""Each rank's progress (step, phase, collectives entered), kept in memory, published aside.
 
 When a collective fails because a peer never arrived, the waiting rank must say who and where
 that peer was, without having run an extra collective in the normal case. So on the hot path a

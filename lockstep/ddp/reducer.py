@@ -299,9 +299,9 @@ class Reducer:
             zeros = torch.zeros_like(bucket.buffer)
             grad_bucket = GradBucket(bucket.index, zeros, bucket.params, bucket.offsets,
                                      bucket.index == last)
-            seq = self.progress.enter(f"DDP gradient all-reduce (bucket {bucket.index}, joined)")
-            hang.wait(self.progress, seq, f"DDP gradient all-reduce (bucket {bucket.index} of "
-                      f"{len(self.buckets)}, joined rank)", self.comm_hook(self.comm_state, grad_bucket))
+            op = f"DDP gradient all-reduce (bucket {bucket.index} of {last + 1}, joined rank)"
+            seq = self.progress.enter(op)
+            hang.wait(self.progress, seq, op, self.comm_hook(self.comm_state, grad_bucket))
         if self.find_unused:
             self._globally_unused(list(range(len(self.params))))
         if not self._rebuilt:
