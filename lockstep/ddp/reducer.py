@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -191,7 +192,7 @@ class Reducer:
             op = f"DDP gradient all-reduce (bucket {bucket.index})"
             seq = self._seqs[bucket.index] = self.progress.enter(op)
             self._futures[bucket.index] = hang.call_as(
-                self.progress, seq, op, lambda gb=grad_bucket: self.comm_hook(self.comm_state, gb))
+                self.progress, seq, op, partial(self.comm_hook, self.comm_state, grad_bucket))
             self._next_launch += 1
 
     # ---- end of backward -----------------------------------------------------------------

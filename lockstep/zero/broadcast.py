@@ -7,6 +7,7 @@ broadcasts for a transformer), one per owner and dtype costs ``world_size`` late
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -101,7 +102,7 @@ def broadcast_buckets(
         # One bucket at a time: the staging copy then never exceeds the largest shard.
         src = ranks[bucket.owner]
         hang.run(progress, f"ZeRO parameter broadcast from rank {src}",
-                 lambda f=flat, s=src: dist.broadcast(f, src=s, group=group))
+                 partial(dist.broadcast, flat, src=src, group=group))
         if bucket.owner != rank:
             _unflatten_into(flat, bucket.params)
     for seq, src, work in pending:
