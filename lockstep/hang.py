@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.progress import GroupProgress, tracker
+from lockstep.progress import GroupProgress, ProgressTracker, tracker
 
 __all__ = [
     "BLAME_FILE",
@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 BLAME_FILE = "lockstep_blame.json"
+# A peer that publishes nothing for this many intervals (and at least this long) is gone.
+_SILENCE_INTERVALS = 3
+_MIN_SILENCE_S = 2.0
 
 # Errors of a backend whose peer went away or never came (gloo, NCCL, the store).
 _PEER_TROUBLE = re.compile(
@@ -171,24 +174,39 @@ def _find_culprits(
     behind = {r for r, rec in first.items() if _count(rec, progress.key) < seq}
     if not behind and not _PEER_TROUBLE.search(str(cause)):
         return [], 0.0  # e.g. a comm hook's own bug: the original error is the right one
-    # Watch the heartbeats for a moment: a living rank publishes at least once per interval.
-    silent_s = 2.5 * found.interval
-    time.sleep(silent_s)
-    second = found.read(peers)
+    states, latest, silent_s = _observe(found, first)
     culprits, gone_but_arrived = [], []
     for rank in peers:
-        rec, before = second[rank], first[rank]
-        if rec is None:
-            culprits.append(Culprit(rank, "silent", None, progress.key))
-            continue
-        state = _state(before, rec)
-        if _count(rec, progress.key) < seq:
-            culprits.append(Culprit(rank, state, rec, progress.key))
-        elif state == "gone":
-            gone_but_arrived.append(Culprit(rank, state, rec, progress.key))
+        culprit = Culprit(rank, states[rank], latest[rank], progress.key)
+        if _count(latest[rank], progress.key) < seq:
+            culprits.append(culprit)
+        elif states[rank] == "gone":
+            gone_but_arrived.append(culprit)
     # A peer that entered this collective and then vanished is to blame only if nobody is behind
     # (peers that time out like this rank exit too; they are victims, not causes).
     return (culprits or gone_but_arrived), silent_s
+
+
+def _observe(
+    found: ProgressTracker, first: dict[int, dict[str, Any] | None]
+) -> tuple[dict[int, str], dict[int, dict[str, Any] | None], float]:
+    """Watch the peers' heartbeats until each has beaten or exited, or for a few intervals.
+
+    A record published after ``first`` is fresh: a living peer's position then is the truth,
+    even if its earlier record lagged. Returns each peer's state and latest record, and how
+    long the silent ones were watched.
+    """
+    start = time.monotonic()
+    deadline = start + max(_SILENCE_INTERVALS * found.interval, _MIN_SILENCE_S)
+    latest = dict(first)
+    states = {rank: _state(first[rank], rec) for rank, rec in latest.items()}
+    while any(state in ("gone", "silent") for state in states.values()):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(found.interval / 4, 0.25))
+        latest = found.read(list(first))
+        states = {rank: _state(first[rank], rec) for rank, rec in latest.items()}
+    return states, latest, time.monotonic() - start
 
 
 def describe_missing(missing: list[int], message: str) -> str:
@@ -201,13 +219,10 @@ def describe_missing(missing: list[int], message: str) -> str:
     if found is None or not missing:
         return message
     try:
-        first = found.read(missing)
-        silent_s = 2.5 * found.interval
-        time.sleep(silent_s)
-        second = found.read(missing)
+        states, latest, silent_s = _observe(found, found.read(missing))
     except Exception:  # noqa: BLE001 - the store's host may be among the missing
         return message
-    culprits = [Culprit(r, _state(first[r], second[r]), second[r]) for r in missing]
+    culprits = [Culprit(r, states[r], latest[r]) for r in missing]
     text = f"{message} Where they are: " + "; ".join(c.describe(silent_s) for c in culprits) + "."
     write_blame(found.rank, [c.as_dict() for c in culprits], text)
     return text

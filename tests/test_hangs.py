@@ -41,7 +41,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "hang_ddp.py"
 
 @pytest.fixture(autouse=True)
 def _fast_heartbeat(monkeypatch):
-    # Peers' liveness is judged over 2.5 heartbeats: keep the tests quick.
+    # Peers' liveness is judged by their next heartbeat: keep the tests quick.
     monkeypatch.setenv(INTERVAL_ENV_VAR, "0.4")
 
 
