@@ -180,9 +180,9 @@ def _find_culprits(
         culprit = Culprit(rank, states[rank], latest[rank], progress.key)
         if _count(latest[rank], progress.key) < seq:
             culprits.append(culprit)
-        elif states[rank] == "gone":
+        elif states[rank] in ("gone", "exited"):
             gone_but_arrived.append(culprit)
-    # A peer that entered this collective and then vanished is to blame only if nobody is behind
+    # A peer that entered this collective and then left is to blame only if nobody is behind
     # (peers that time out like this rank exit too; they are victims, not causes).
     return (culprits or gone_but_arrived), silent_s
 

@@ -104,6 +104,10 @@ def _wait_for(paths: list[Path], limit_s: float = 90.0) -> None:
         time.sleep(0.05)
 
 
+class _Stopped(Exception):
+    """The culprit leaves ``join()`` without shadowing its peers (it is the one that hung)."""
+
+
 def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory: str) -> dict:
     lockstep.init_distributed(timeout=timedelta(seconds=TIMEOUT_S))
     torch.manual_seed(0)
@@ -120,7 +124,7 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
                         return out  # uneven data: exits with 0 while the others go on
                     if mode == "join":
                         _wait_for(others)  # stuck before its forward, inside join()
-                        return out
+                        raise _Stopped
                 loss = model(torch.ones(2, 4)).sum()
                 if rank == culprit and step == 3:
                     _wait_for(others)  # stuck between forward and backward
@@ -129,6 +133,8 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+    except _Stopped:
+        return out
     except CollectiveTimeoutError as exc:
         out = {"error": str(exc), "missing": exc.missing_ranks, "op": exc.op,
                "elapsed": time.monotonic() - start}
