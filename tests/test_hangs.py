@@ -89,6 +89,15 @@ def test_rank_that_exited_early_is_the_root_cause(tmp_path, monkeypatch):
     assert exit_code_for(failures[0]) == 1
 
 
+def test_every_rank_raising_reports_an_exception_not_the_agents_sigterm(tmp_path):
+    # Rank 0 raised first but was still exiting when the agent stopped everyone (SIGTERM).
+    first = _failure(tmp_path, 0, -15, "ValueError: bad batch")
+    later = _failure(tmp_path, 1, 1, "ValueError: bad batch")
+    failures = failures_from(ChildFailedError("job", {0: first, 1: later}))
+    assert [f.rank for f in failures] == [1, 0]
+    assert exit_code_for(failures[0]) == 1
+
+
 def test_without_blame_the_order_is_unchanged(tmp_path):
     own = _failure(tmp_path, 0, 1, "ValueError: bad batch")
     echo = _failure(tmp_path, 1, -15)

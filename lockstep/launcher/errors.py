@@ -186,9 +186,12 @@ def _cause_order(failure: Failure) -> tuple[int, int, int]:
     if failure.blame:
         return (-1, failure.timestamp, failure.rank)
     if _PEER_LOST.search(failure.summary) or _PEER_LOST.search(failure.traceback[-2000:]):
-        kind = 2  # failed because a peer went away
-    elif failure.exitcode == -signal.SIGTERM and not failure.summary:
-        kind = 1  # most likely the agent stopping it once another rank had failed
+        kind = 3  # failed because a peer went away
+    elif failure.exitcode == -signal.SIGTERM:
+        # Most likely the agent stopping it once another rank had failed; if it had raised
+        # already (every rank raising at once), a rank that exited by itself still goes first:
+        # its exit code, not the agent's SIGTERM, is the job's.
+        kind = 1 if failure.summary else 2
     else:
         kind = 0  # its own exception, or a signal from outside (OOM killer, kill -9)
     return (kind, failure.timestamp, failure.rank)
