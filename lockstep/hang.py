@@ -69,7 +69,7 @@ class Culprit:
         self, rank: int, state: str, record: dict[str, Any] | None, group_key: str = ""
     ) -> None:
         self.rank = rank
-        self.state = state  # "stuck", "gone", "exited" or "silent" (never published)
+        self.state = state  # "stuck", "gone", "exited", "late" or "silent" (never published)
         self.record = record or {}
         self.group_key = group_key
 
@@ -90,6 +90,10 @@ class Culprit:
         if self.state == "gone":
             return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or "
                     f"froze, or its machine was lost); it was last at {self.where()}")
+        if self.state == "late":
+            return (f"{who} arrived only after this rank gave up: it was still at {self.where()} "
+                    "when the timeout expired. It is slow, not stuck: find what delays it, or "
+                    "raise the timeout (lockstep.init_distributed(timeout=...))")
         if self.state == "exited":
             return (f"{who} exited while its peers still needed it, at {self.where()}: it left "
                     "the training loop early (uneven data? DistributedSampler(drop_last=True) "
@@ -175,16 +179,18 @@ def _find_culprits(
     if not behind and not _PEER_TROUBLE.search(str(cause)):
         return [], 0.0  # e.g. a comm hook's own bug: the original error is the right one
     states, latest, silent_s = _observe(found, first)
-    culprits, gone_but_arrived = [], []
+    culprits, late, gone_but_arrived = [], [], []
     for rank in peers:
         culprit = Culprit(rank, states[rank], latest[rank], progress.key)
         if _count(latest[rank], progress.key) < seq:
             culprits.append(culprit)
+        elif rank in behind and states[rank] == "stuck":
+            late.append(Culprit(rank, "late", first[rank], progress.key))
         elif states[rank] in ("gone", "exited"):
             gone_but_arrived.append(culprit)
-    # A peer that entered this collective and then left is to blame only if nobody is behind
-    # (peers that time out like this rank exit too; they are victims, not causes).
-    return (culprits or gone_but_arrived), silent_s
+    # A peer that arrived after the timeout is slow, not stuck; one that entered and then left
+    # is to blame only if nobody is behind (peers that time out like this one exit too).
+    return (culprits or late or gone_but_arrived), silent_s
 
 
 def _observe(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
@@ -122,6 +123,8 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Start the steps together: on a loaded machine, set-up alone can outlast the short timeout.
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
     others = [Path(directory, f"done-{r}") for r in range(world) if r != culprit]
     out: dict = {"error": "no error"}
     start = time.monotonic()

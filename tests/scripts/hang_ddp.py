@@ -27,6 +27,8 @@ import lockstep
 def main() -> None:
     mode, culprit, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     info = lockstep.init_distributed(timeout=timedelta(seconds=timeout))
+    # Start together: on a loaded machine, start-up alone can outlast the short timeout.
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
     if mode == "shapes":
         t = torch.zeros(5 if info.rank == culprit else 4)
         lockstep.check_collective("all_reduce", [t])
