@@ -16,12 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep import hang
+from lockstep.progress import GroupProgress
+
 __all__ = [
     "DEBUG_ENV_VAR",
     "CollectiveMismatchError",
     "check_collective",
     "debug_collectives_enabled",
     "describe_mismatch",
+    "odd_ranks",
     "signature",
 ]
 
@@ -29,7 +33,15 @@ DEBUG_ENV_VAR = "LOCKSTEP_DEBUG_COLLECTIVES"
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to call different collectives, or the same one on different tensors."""
+    """Ranks were about to call different collectives, or the same one on different tensors.
+
+    Attributes:
+        ranks: the global ranks whose call differs from the majority's.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 def debug_collectives_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -46,6 +58,19 @@ def signature(name: str, tensors: Sequence[torch.Tensor]) -> str:
     return f"{name}({', '.join(parts)})"
 
 
+def _majority(signatures: Sequence[str]) -> str:
+    # The most common call is taken as intended; ties go to the lowest rank's call.
+    counts = Counter(signatures)
+    return max(counts, key=lambda sig: (counts[sig], -signatures.index(sig)))
+
+
+def odd_ranks(signatures: Sequence[str], ranks: Sequence[int] | None = None) -> list[int]:
+    """The ranks whose signature differs from the most common one (as :func:`describe_mismatch`)."""
+    ranks = list(range(len(signatures))) if ranks is None else list(ranks)
+    majority = _majority(signatures)
+    return [r for r, sig in zip(ranks, signatures) if sig != majority]
+
+
 def describe_mismatch(signatures: Sequence[str], ranks: Sequence[int] | None = None) -> str | None:
     """Name the ranks whose signature differs from the most common one; ``None`` if all agree.
 
@@ -54,11 +79,9 @@ def describe_mismatch(signatures: Sequence[str], ranks: Sequence[int] | None = N
         ranks: the global rank of each entry (by default ``0..n-1``).
     """
     ranks = list(range(len(signatures))) if ranks is None else list(ranks)
-    counts = Counter(signatures)
-    if len(counts) == 1:
+    if len(set(signatures)) == 1:
         return None
-    # The most common call is taken as intended; ties go to the lowest rank's call.
-    majority = max(counts, key=lambda sig: (counts[sig], -signatures.index(sig)))
+    majority = _majority(signatures)
     agreeing = [r for r, sig in zip(ranks, signatures) if sig == majority]
     odd = [f"rank {r} calls {sig}" for r, sig in zip(ranks, signatures) if sig != majority]
     return (
@@ -86,8 +109,13 @@ def check_collective(name: str, tensors: Sequence[torch.Tensor], group: Any = No
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
+    progress = GroupProgress(group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, signature(name, tensors), group=group)
-    message = describe_mismatch(gathered, dist.get_process_group_ranks(group or dist.group.WORLD))
+    mine = signature(name, tensors)
+    hang.run(progress, f"signature check before {name}",
+             lambda: dist.all_gather_object(gathered, mine, group=group))
+    message = describe_mismatch(gathered, progress.ranks)
     if message is not None:
-        raise CollectiveMismatchError(message)
+        odd = odd_ranks(gathered, progress.ranks)
+        hang.write_blame(dist.get_rank(), [{"rank": r, "state": "mismatch"} for r in odd], message)
+        raise CollectiveMismatchError(message, odd)

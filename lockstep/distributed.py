@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lockstep import progress
 from lockstep.env import ProcessInfo, default_backend, detect_process_info
 from lockstep.teardown import quiesce
 
@@ -104,6 +105,7 @@ def init_distributed(
             timeout=timeout,
         )
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
+    progress.tracker()  # publish this rank's progress from now on (see lockstep.hang)
     return replace(info, device=dev, backend=backend)
 
 
@@ -132,6 +134,7 @@ def shutdown_distributed() -> None:
     You rarely need it: a process that called :func:`init_distributed` does it at exit.
     """
     if dist.is_initialized():
+        progress.close_tracker()  # peers waiting for this rank learn that it exited
         dist.destroy_process_group()
     if not quiesce(timeout=2.0):
         logger.debug("gloo worker threads still busy after teardown")

@@ -17,6 +17,9 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lockstep import hang
+from lockstep.progress import group_progress
+
 __all__ = ["SyncBatchNorm"]
 
 
@@ -31,7 +34,8 @@ def _channel_view(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     if group is not None:
-        dist.all_reduce(t, group=group)
+        hang.run(group_progress(group), "SyncBatchNorm statistics all-reduce",
+                 lambda: dist.all_reduce(t, group=group))
 
 
 def _global_stats(

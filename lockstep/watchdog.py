@@ -23,8 +23,11 @@ from lockstep.collective_checks import (
     CollectiveMismatchError,
     debug_collectives_enabled,
     describe_mismatch,
+    odd_ranks,
     signature,
 )
+from lockstep.hang import CollectiveTimeoutError, write_blame
+from lockstep.progress import GroupProgress, default_store, tracker
 
 __all__ = ["CollectiveTimeoutError", "CollectiveWatchdog", "wait_for_peers"]
 
@@ -33,37 +36,31 @@ logger = logging.getLogger(__name__)
 _PREFIX = "lockstep/watchdog"
 
 
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete in time; ``op`` and ``missing_ranks`` say why."""
-
-    def __init__(self, message: str, op: str, missing_ranks: list[int]) -> None:
-        super().__init__(message)
-        self.op = op
-        self.missing_ranks = missing_ranks
-
-
-def _default_store() -> Any:
-    # torch keeps the rendezvous store of the default group privately; it is the one place
-    # every rank can read without joining a collective, which is the point here.
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API; without it we lose only the diagnosis
-        return None
-
-
-def wait_for_peers(key: str, timeout: timedelta, group: Any = None) -> list[int]:
+def wait_for_peers(
+    key: str, timeout: timedelta, group: Any = None, *, what: str | None = None
+) -> list[int]:
     """Mark this rank as arrived at ``key`` and wait for the other ranks of ``group``.
 
     A rendezvous through the store, not a collective: if a rank never comes, nothing is left
     pending in the process group, and the caller learns who is missing.
 
+    Args:
+        key: names this meeting; the same on every rank.
+        timeout: how long to wait for the others.
+        group: whose ranks must come (``None``: the default group).
+        what: this rank's phase while it waits (e.g. ``"Checkpointer.save"``), for peers'
+            error messages.
+
     Returns:
         The global ranks that did not arrive within ``timeout`` (empty when all did, and when
         the store cannot be reached, in which case nothing is checked).
     """
-    store = _default_store()
+    store = default_store()
     if store is None:
         return []
+    found = tracker()
+    if found is not None and what:
+        found.set_phase(what)  # peers that wait for this rank elsewhere see where it is
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     keys = {rank: f"{_PREFIX}/peers/{key}/{rank}" for rank in ranks}
     store.set(keys[dist.get_rank()], "1")
@@ -113,9 +110,10 @@ class CollectiveWatchdog:
         self.debug = debug_collectives_enabled() if debug is None else debug
         self._ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self._rank = dist.get_rank()
-        self._store = _default_store()
+        self._store = default_store()
         self._group_key = f"{_PREFIX}/{name}/{'-'.join(map(str, self._ranks))}"
         self._seq = 0
+        self._progress = GroupProgress(process_group)  # peers' errors say where this rank is
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -159,6 +157,7 @@ class CollectiveWatchdog:
         self._seq += 1
         op = f"{name} #{self._seq}"
         self._announce(op)
+        self._progress.enter(f"watchdog {op}")
         if self.debug:
             self._compare(op, signature(name, tensors))
         work = launch()
@@ -207,11 +206,13 @@ class CollectiveWatchdog:
             else f"rank {r} entered no watched collective"
             for r in missing
         )
-        return CollectiveTimeoutError(
+        message = (
             f"rank {self._rank}: {op} did not complete within {waited}: rank(s) {missing} did not "
             f"arrive ({where}). Look at those ranks' logs: they died, hang, or skipped this "
-            "collective.", op, missing,
+            "collective."
         )
+        write_blame(self._rank, [{"rank": r, "state": "stuck"} for r in missing], message)
+        return CollectiveTimeoutError(message, op, missing)
 
     def _compare(self, op: str, mine: str) -> None:
         """Debug mode: publish this rank's signature, wait for all, raise if any differs."""
@@ -229,4 +230,6 @@ class CollectiveWatchdog:
             self._store.delete_key(f"{self._group_key}/sig/{self._seq - 2}/{self._rank}")
         message = describe_mismatch(signatures, self._ranks)
         if message is not None:
-            raise CollectiveMismatchError(f"before {op}: {message}")
+            odd = odd_ranks(signatures, self._ranks)
+            write_blame(self._rank, [{"rank": r, "state": "mismatch"} for r in odd], message)
+            raise CollectiveMismatchError(f"before {op}: {message}", odd)

@@ -2,7 +2,8 @@
 
 Tiers: signature comparison as pure logic; one world of 3 on gloo in which ranks disagree on
 collectives (debug mode) and then rank 1 never joins one, twice (debug mode and plain); a job
-under ``lockstep run`` whose stuck rank is reported as the root cause and stopped.
+under ``lockstep run`` whose stuck rank is reported as the root cause (not the rank that
+waited for it) and stopped.
 """
 
 from __future__ import annotations
@@ -148,10 +149,14 @@ def test_launcher_stops_a_job_with_a_stuck_rank_and_names_it(tmp_path):
                           cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     elapsed = time.monotonic() - start
     assert done.returncode != 0
-    assert "Root cause: rank 0" in done.stderr, done.stderr[-3000:]
+    # The stuck rank is the root cause, not rank 0 that waited for it (issue 11, item 2).
+    assert "Root cause: rank 1 (local rank 1, pid " in done.stderr, done.stderr[-3000:]
+    assert "hung: its peers waited for it in vain (named by rank(s) 0); the launcher then " \
+        "stopped it (SIGTERM)." in done.stderr, done.stderr[-3000:]
     assert (
-        "CollectiveTimeoutError: rank 0: all_reduce #2 did not complete within 3s: rank(s) [1] "
+        "rank 0 reported: all_reduce #2 did not complete within 3s: rank(s) [1] "
         "did not arrive (rank 1 last entered all_reduce #1)"
     ) in done.stderr
+    assert done.returncode == 1
     # Rank 1 sleeps for an hour: only the launcher stopping it ends the job this soon.
     assert elapsed < 100, elapsed

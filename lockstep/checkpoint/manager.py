@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep import hang
 from lockstep.checkpoint.io import (
     CheckpointError,
     check_length,
@@ -178,11 +179,11 @@ class Checkpointer:
         missing = self._wait(store, keys, call)
         store.set(f"{_IN_CALL}/{me}", "")
         if missing:
-            raise CheckpointError(
+            raise CheckpointError(hang.describe_missing(missing, (
                 f"rank {me} waited {self.timeout.total_seconds():g}s in "
                 f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
                 "and restore() on every rank, not only on rank 0."
-            )
+            )))
 
     def _wait(self, store: Any, keys: dict[int, str], call: str) -> list[int]:
         """Poll until every rank arrived (returns []) or the timeout (returns the missing)."""

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from lockstep import hang
 from lockstep.ddp.replica_sync import broadcast_coalesced
+from lockstep.progress import GroupProgress
 
 __all__ = ["DDPJoinHook", "JoinableModel", "UnevenInputs"]
 
@@ -72,6 +74,7 @@ class UnevenInputs:
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.throw_on_early_termination = throw_on_early_termination
         self.iterations = 0
+        self.progress = GroupProgress(self.group)  # names a rank that never arrives
 
     def _exchange(self, active: bool, sync: bool, buffers: bool) -> tuple[int, int, bool, int | None]:
         """All-reduce who is active, whether backward syncs and whether buffers are broadcast.
@@ -84,7 +87,8 @@ class UnevenInputs:
         flags = torch.zeros(self.world + 2, dtype=torch.int32, device=self.model.join_device)
         flags[0], flags[1] = int(sync), int(buffers)
         flags[2 + dist.get_rank(self.group)] = int(active)
-        dist.all_reduce(flags, group=self.group)
+        hang.run(self.progress, "DDP join announcement",
+                 lambda: dist.all_reduce(flags, group=self.group))
         active_ranks = flags[2:].nonzero().flatten().tolist()
         src = dist.get_global_rank(self.group, active_ranks[0]) if active_ranks else None
         return len(active_ranks), int(flags[0]), bool(flags[1]), src
@@ -142,12 +146,14 @@ class UnevenInputs:
         rank = dist.get_rank(group)
         key = torch.tensor([self.iterations * world + (world - 1 - rank)], dtype=torch.int64,
                            device=self.model.join_device)
-        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group)
+        hang.run(self.progress, "DDP join: who ran longest",
+                 lambda: dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group))
         src_group_rank = world - 1 - int(key) % world
         src = dist.get_global_rank(group, src_group_rank)
         module = self.model.module
         state = [p.data for p in module.parameters()] + list(module.buffers())
-        broadcast_coalesced(state, src, group)
+        hang.run(self.progress, "DDP join: final model broadcast",
+                 lambda: broadcast_coalesced(state, src, group))
         logger.debug("join: final model taken from rank %d", src)
 
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from lockstep import collective_checks
+from lockstep import collective_checks, hang
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
@@ -44,6 +45,7 @@ from lockstep.ddp.reducer_errors import (
 )
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
 from lockstep.doctor.recorder import Recorder
+from lockstep.progress import GroupProgress
 
 __all__ = ["Reducer"]
 
@@ -91,6 +93,8 @@ class Reducer:
         self.grad_scale = 1.0
         # LOCKSTEP_DEBUG_COLLECTIVES=1: before each bucket, check every rank reduces the same one.
         self._debug = collective_checks.debug_collectives_enabled()
+        # Step, phase and collective counts for naming a peer that never arrives (memory only).
+        self.progress = GroupProgress(group)
         n = len(self.params)
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * n
         self._specs = [BucketSpec.of(p, s) for p, s in zip(self.params, sparse)]
@@ -133,7 +137,9 @@ class Reducer:
         order = torch.tensor(arrival + rest, dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             order = order.to(self.params[0].device)
-        dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
+        src = dist.get_global_rank(self.group, 0)
+        hang.run(self.progress, "DDP bucket-order broadcast",
+                 lambda: dist.broadcast(order, src=src, group=self.group))
         self._build(order.cpu().tolist())
         self._layout_fixed = True
 
@@ -150,6 +156,7 @@ class Reducer:
         self._saved: dict[int, torch.Tensor | None] = {}
         self._sparse_grads: dict[int, torch.Tensor] = {}
         self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
+        self._seqs = [0] * len(self.buckets)
         self._next_launch = 0
         self._callback_queued = False
         self._outer_backward = -1
@@ -174,6 +181,7 @@ class Reducer:
                         logger.debug("all-reduce of an abandoned backward failed", exc_info=True)
             self._reset_iteration()
         self._active = sync
+        self.progress.begin_step("after forward, before backward")
         if sync and outputs is not None:
             hook_outputs(outputs, self._on_output_grad)
 
@@ -185,6 +193,7 @@ class Reducer:
         Variable._execution_engine.queue_callback(self._finalize)
         self._callback_queued = True
         self._outer_backward = current_backward_id()
+        self.progress.set_phase("backward")
         if self.clock is not None:
             self.clock.backward_started()
 
@@ -304,7 +313,10 @@ class Reducer:
                 )
             if self.clock is not None:
                 self.clock.bucket_launched(bucket.index)
-            self._futures[bucket.index] = fut = self.comm_hook(self.comm_state, grad_bucket)
+            op = f"DDP gradient all-reduce (bucket {bucket.index})"
+            seq = self._seqs[bucket.index] = self.progress.enter(op)
+            self._futures[bucket.index] = fut = hang.call_as(
+                self.progress, seq, op, partial(self.comm_hook, self.comm_state, grad_bucket))
             if self.clock is not None:
                 self.clock.watch_bucket(bucket.index, fut)
             self._next_launch += 1
@@ -323,6 +335,7 @@ class Reducer:
         finally:
             self._active = False
             self._reset_iteration()  # after a rebuild: sized for the new buckets
+            self.progress.set_phase("after backward (optimizer step, data loading, next forward)")
         if self.clock is not None:
             self.clock.backward_ended()
 
@@ -365,9 +378,12 @@ class Reducer:
 
     def _wait_all(self) -> None:
         start = time.perf_counter()
-        for bucket, fut in zip(self.buckets, self._futures):
+        self.progress.set_phase("waiting for the gradient all-reduces")
+        for bucket, fut, seq in zip(self.buckets, self._futures, self._seqs):
             assert fut is not None, "every bucket is launched before backward ends"
-            result = fut.wait()
+            # A peer that never arrives is named (step, phase, alive or gone), not just timed out.
+            result = hang.wait(self.progress, seq, f"DDP gradient all-reduce (bucket "
+                               f"{bucket.index} of {len(self.buckets)})", fut)
             if isinstance(result, list):
                 result = result[0]
             if bucket.sparse:
@@ -388,7 +404,8 @@ class Reducer:
         """Parameters no rank used; one small all-reduce."""
         used = torch.ones(len(self.params), dtype=torch.int32, device=self.params[0].device)
         used[locally_unused] = 0
-        dist.all_reduce(used, group=self.group)
+        hang.run(self.progress, "DDP unused-parameter count",
+                 lambda: dist.all_reduce(used, group=self.group))
         return {i for i, count in enumerate(used.tolist()) if count == 0}
 
     def _publish(self, globally_unused: set[int]) -> None:
@@ -438,7 +455,9 @@ class Reducer:
             else:
                 grad_bucket = GradBucket(bucket.index, torch.zeros_like(bucket.buffer),
                                          bucket.params, bucket.offsets, bucket.index == last)
-            self.comm_hook(self.comm_state, grad_bucket).wait()
+            op = f"DDP gradient all-reduce (bucket {bucket.index} of {last + 1}, joined rank)"
+            seq = self.progress.enter(op)
+            hang.wait(self.progress, seq, op, self.comm_hook(self.comm_state, grad_bucket))
         if self.find_unused or (recording and self.static_graph):
             self._globally_unused(list(range(len(self.params))))
         self._reset_iteration()

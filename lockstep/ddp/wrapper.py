@@ -20,6 +20,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable
 
+from lockstep import hang
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.ddp import arguments
 from lockstep.ddp.comm_hooks import returns_future
@@ -314,7 +315,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Keep version counters: a second forward before backward (GAN, contrastive) would
             # otherwise invalidate the buffers the first one saved for backward (as torch does).
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                broadcast_coalesced(buffers, src, self.process_group)
+                if self._reducer is None:
+                    broadcast_coalesced(buffers, src, self.process_group)
+                else:  # a rank that never arrives is named
+                    hang.run(self._reducer.progress, "DDP buffer broadcast",
+                             lambda: broadcast_coalesced(buffers, src, self.process_group))
 
     # ---- the seam for join and pipelines ---------------------------------------------------
     @property

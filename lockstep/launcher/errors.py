@@ -5,6 +5,11 @@ traceback its ``@record`` wrapper wrote to ``TORCHELASTIC_ERROR_FILE``. When one
 its peers usually fail right after in a collective ("connection closed by peer"), within the
 same second, so the earliest timestamp alone does not tell cause from consequence; lockstep
 ranks a death by signal or a genuine exception ahead of those echoes.
+
+Better still is the peers' own word: a worker whose collective failed because a peer never
+arrived leaves a "blame" file naming that peer (:mod:`lockstep.hang`). The rank named there is
+the root cause — whether it hung (and the agent then ended it with SIGTERM), left the loop early
+with exit code 0, or called a different collective — never the rank that waited.
 """
 
 from __future__ import annotations
@@ -13,9 +18,16 @@ import glob
 import os
 import re
 import signal
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
+
+from lockstep.hang import read_blame
 
 __all__ = [
     "Failure",
@@ -50,6 +62,9 @@ class Failure:
     timestamp: int
     summary: str
     traceback: str
+    # Set when peers named this rank as the one they waited for: what they said.
+    blame: str = ""
+    blamed_by: tuple[int, ...] = ()
 
     @property
     def signal_name(self) -> str | None:
@@ -83,6 +98,11 @@ def trim_traceback(callstack: str) -> str:
     return "\n".join(kept)
 
 
+def _attempt_number(path: str) -> int:
+    found = re.search(r"attempt_(\d+)", path)
+    return int(found.group(1)) if found else -1
+
+
 def _stderr_tail(log_dir: str | None, local_rank: int) -> str:
     """The last lines this local rank wrote to stderr in the newest attempt, if logged."""
     if not log_dir:
@@ -92,7 +112,7 @@ def _stderr_tail(log_dir: str | None, local_rank: int) -> str:
     )
     if not paths:
         return ""
-    newest = max(paths, key=lambda p: int(re.search(r"attempt_(\d+)", p).group(1)))
+    newest = max(paths, key=_attempt_number)
     with open(newest, errors="replace") as fh:
         return "".join(fh.readlines()[-_STDERR_TAIL_LINES:]).rstrip()
 
@@ -119,16 +139,64 @@ def _from_process_failure(rank: int, pf: ProcessFailure, log_dir: str | None) ->
 
 
 def failures_from(error: ChildFailedError, log_dir: str | None = None) -> list[Failure]:
-    """Every failed worker of ``error``, root cause first."""
+    """Every failed worker of ``error``, root cause first (the rank peers blamed, if any)."""
     found = [_from_process_failure(r, pf, log_dir) for r, pf in error.failures.items()]
-    return sorted(found, key=_cause_order)
+    found.sort(key=_cause_order)
+    verdicts = {r: v for r, pf in error.failures.items() if (v := read_blame(pf.error_file))}
+    if not verdicts:
+        return found
+    culprit = _most_blamed(verdicts)
+    named_by = tuple(sorted(r for r, v in verdicts.items()
+                            if any(c.get("rank") == culprit["rank"] for c in v["culprits"])))
+    message = verdicts[named_by[0]]["message"] if named_by else ""
+    own = next((f for f in found if f.rank == culprit["rank"]), None)
+    if own is None:  # it exited with 0 (left early), or is on another machine
+        own = Failure(culprit["rank"], _int(culprit.get("local_rank")), _int(culprit.get("pid")),
+                      0, 0, "", "")
+    cause = replace(own, blame=_blame_line(culprit, own), blamed_by=named_by)
+    if not cause.summary and message:  # no exception of its own: say what its peers saw
+        tail = f"\n\nIts last output:\n{cause.traceback}" if cause.traceback else ""
+        said = re.sub(r"^rank \d+: ", "", message)
+        cause = replace(cause, traceback=f"rank {named_by[0]} reported: {said}{tail}")
+    return [cause] + [f for f in found if f.rank != cause.rank]
+
+
+def _most_blamed(verdicts: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The culprit most waiting ranks named (ties: the lowest rank), as one of them described it."""
+    named = [c for v in verdicts.values() for c in v["culprits"] if isinstance(c.get("rank"), int)]
+    votes = Counter(c["rank"] for c in named)
+    rank = min(votes, key=lambda r: (-votes[r], r))
+    return next(c for c in named if c["rank"] == rank)
+
+
+def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
+    where = ""
+    if culprit.get("step") is not None:
+        where = f" at step {culprit['step']}, phase {culprit.get('phase')!r}"
+    state = culprit.get("state")
+    if state == "mismatch":
+        return "called a different collective than its peers"
+    if state == "exited" or own.exitcode == 0:
+        return f"left early: it exited{where} while its peers waited for it"
+    if state == "gone":
+        return f"was gone{where}; its peers waited for it in vain"
+    return f"hung{where}: its peers waited for it in vain"
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else -1
 
 
 def _cause_order(failure: Failure) -> tuple[int, int, int]:
+    if failure.blame:
+        return (-1, failure.timestamp, failure.rank)
     if _PEER_LOST.search(failure.summary) or _PEER_LOST.search(failure.traceback[-2000:]):
-        kind = 2  # failed because a peer went away
-    elif failure.exitcode == -signal.SIGTERM and not failure.summary:
-        kind = 1  # most likely the agent stopping it once another rank had failed
+        kind = 3  # failed because a peer went away
+    elif failure.exitcode == -signal.SIGTERM:
+        # Most likely the agent stopping it once another rank had failed; if it had raised
+        # already (every rank raising at once), a rank that exited by itself still goes first:
+        # its exit code, not the agent's SIGTERM, is the job's.
+        kind = 1 if failure.summary else 2
     else:
         kind = 0  # its own exception, or a signal from outside (OOM killer, kill -9)
     return (kind, failure.timestamp, failure.rank)
@@ -140,7 +208,13 @@ def root_cause(error: ChildFailedError, log_dir: str | None = None) -> Failure:
 
 
 def exit_code_for(failure: Failure) -> int:
-    """The launcher's exit status: the worker's, or 128 + signal as shells report a kill."""
+    """The launcher's exit status: the worker's, or 128 + signal as shells report a kill.
+
+    A rank its peers blamed that the agent stopped (SIGTERM) or that exited early (0) made
+    the job fail: 1, not the launcher's own signal.
+    """
+    if failure.blame and failure.exitcode in (0, -signal.SIGTERM):
+        return 1
     return 128 - failure.exitcode if failure.exitcode < 0 else (failure.exitcode or 1)
 
 
@@ -148,11 +222,16 @@ def format_report(failures: list[Failure], attempts: int = 1) -> str:
     """The message printed when the job fails, root cause first."""
     cause = failures[0]
     tries = f" after {attempts} attempts" if attempts > 1 else ""
-    lines = [
-        f"lockstep run: the job failed{tries}; every worker was stopped.",
-        f"Root cause: rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid}) "
-        f"ended with {cause.how()}.",
-    ]
+    lines = [f"lockstep run: the job failed{tries}; every worker was stopped."]
+    who = f"rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid})"
+    if cause.blame:
+        by = ", ".join(map(str, cause.blamed_by))
+        ended = "" if cause.exitcode == 0 else f"; it then ended with {cause.how()}"
+        if cause.exitcode == -signal.SIGTERM:
+            ended = "; the launcher then stopped it (SIGTERM)"
+        lines.append(f"Root cause: {who} {cause.blame} (named by rank(s) {by}){ended}.")
+    else:
+        lines.append(f"Root cause: {who} ended with {cause.how()}.")
     if cause.traceback:
         lines += ["", cause.traceback]
     elif cause.summary:

@@ -7,10 +7,14 @@ broadcasts for a transformer), one per owner and dtype costs ``world_size`` late
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from lockstep import hang
+from lockstep.progress import group_progress
 
 __all__ = ["OwnerBucket", "make_buckets", "global_ranks", "broadcast_buckets", "attach_views"]
 
@@ -81,23 +85,28 @@ def broadcast_buckets(
         group: the process group (``None``: the default group).
         ranks: global rank of each group rank, from :func:`global_ranks`.
     """
+    progress = group_progress(group)  # names a rank that never arrives
     pending = []
     for bucket in buckets:
         if bucket.buffer is not None:
             # Bucket view: the parameters live in the buffer, so all broadcasts can be in flight.
             src = ranks[bucket.owner]
-            pending.append(dist.broadcast(bucket.buffer, src=src, group=group, async_op=True))
+            seq = progress.enter(f"ZeRO parameter broadcast from rank {src}")
+            pending.append((seq, src, dist.broadcast(bucket.buffer, src=src, group=group,
+                                                     async_op=True)))
             continue
         if bucket.owner == rank:
             flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
         else:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device)
         # One bucket at a time: the staging copy then never exceeds the largest shard.
-        dist.broadcast(flat, src=ranks[bucket.owner], group=group)
+        src = ranks[bucket.owner]
+        hang.run(progress, f"ZeRO parameter broadcast from rank {src}",
+                 partial(dist.broadcast, flat, src=src, group=group))
         if bucket.owner != rank:
             _unflatten_into(flat, bucket.params)
-    for work in pending:
-        work.wait()
+    for seq, src, work in pending:
+        hang.wait(progress, seq, f"ZeRO parameter broadcast from rank {src}", work)
 
 
 def _unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:

@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from lockstep import hang
+from lockstep.progress import group_progress
 from lockstep.zero.broadcast import OwnerBucket
 
 __all__ = ["reduce_to_owners", "grad_bytes"]
@@ -72,7 +74,8 @@ def _present_anywhere(params: Sequence[torch.Tensor], group: dist.ProcessGroup |
     flags = torch.tensor(
         [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
     )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    hang.run(group_progress(group), "ZeRO gradient-presence all-reduce",
+             lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
     return {id(p): bool(flag) for p, flag in zip(params, flags.tolist())}
 
 

@@ -1,0 +1,272 @@
+"""A rank that stops is named by the ranks that wait for it (lockstep.progress, lockstep.hang).
+
+Tiers: the blame verdicts turned into a root cause, as pure logic; worlds of 2 and 3 on gloo in
+which one rank sleeps before backward, leaves the loop early, or stops inside ``join()`` or
+before a ``Checkpointer`` meeting, where every waiting rank must name it (and what it was last
+doing) shortly after the process group's timeout; jobs under ``lockstep run`` whose root cause
+must be the rank that stopped, not the ones that waited nor the one the launcher ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
+
+import lockstep
+from lockstep.checkpoint import CheckpointError
+from lockstep.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
+from lockstep.launcher.errors import exit_code_for, failures_from, format_report
+from lockstep.progress import INTERVAL_ENV_VAR, publish_interval
+
+TIMEOUT_S = 5.0  # short, yet long enough for a loaded machine to start a step
+# Generous: the CPU is shared. Still far below the 10-minute default the naming replaces.
+NAMED_WITHIN_S = TIMEOUT_S + 20
+HOST = socket.gethostname()
+SCRIPT = Path(__file__).parent / "scripts" / "hang_ddp.py"
+
+
+@pytest.fixture(autouse=True)
+def _fast_heartbeat(monkeypatch):
+    # Peers' liveness is judged by their next heartbeat: keep the tests quick.
+    monkeypatch.setenv(INTERVAL_ENV_VAR, "0.4")
+
+
+# ---- pure logic: the launcher's root cause ------------------------------------------------------
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str = "") -> ProcessFailure:
+    folder = tmp_path / str(rank)
+    folder.mkdir()
+    error_file = folder / "error.json"
+    if message:
+        payload = {"message": message,
+                   "extraInfo": {"py_callstack": f"Traceback\n{message}", "timestamp": "1"}}
+        error_file.write_text(json.dumps({"message": payload}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                          error_file=str(error_file))
+
+
+def test_blamed_rank_is_the_root_cause_not_the_one_that_waited(tmp_path, monkeypatch):
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: bucket failed")
+    stopped = _failure(tmp_path, 1, -15)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 1, "state": "stuck", "step": 3, "phase": "backward"}],
+                "rank 0: DDP gradient all-reduce failed: rank 1 did not arrive")
+    error = ChildFailedError("job", {0: waited, 1: stopped})
+    failures = failures_from(error)
+    assert [f.rank for f in failures] == [1, 0]
+    report = format_report(failures)
+    assert ("Root cause: rank 1 (local rank 1, pid 101) hung at step 3, phase 'backward': its "
+            "peers waited for it in vain (named by rank(s) 0); the launcher then stopped it "
+            "(SIGTERM).") in report
+    assert "rank 0 reported: DDP gradient all-reduce failed: rank 1 did not arrive" in report
+    assert exit_code_for(failures[0]) == 1
+    assert (tmp_path / "0" / BLAME_FILE).exists()
+
+
+def test_rank_that_exited_early_is_the_root_cause(tmp_path, monkeypatch):
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: bucket failed")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 2, "state": "exited", "local_rank": 2, "pid": 7, "step": 2,
+                     "phase": "after backward"}], "rank 0: rank 2 exited")
+    failures = failures_from(ChildFailedError("job", {0: waited}))
+    assert failures[0].rank == 2 and failures[0].exitcode == 0
+    assert ("Root cause: rank 2 (local rank 2, pid 7) left early: it exited at step 2, phase "
+            "'after backward' while its peers waited for it (named by rank(s) 0).") in (
+        format_report(failures))
+    assert exit_code_for(failures[0]) == 1
+
+
+def test_every_rank_raising_reports_an_exception_not_the_agents_sigterm(tmp_path):
+    # Rank 0 raised first but was still exiting when the agent stopped everyone (SIGTERM).
+    first = _failure(tmp_path, 0, -15, "ValueError: bad batch")
+    later = _failure(tmp_path, 1, 1, "ValueError: bad batch")
+    failures = failures_from(ChildFailedError("job", {0: first, 1: later}))
+    assert [f.rank for f in failures] == [1, 0]
+    assert exit_code_for(failures[0]) == 1
+
+
+def test_without_blame_the_order_is_unchanged(tmp_path):
+    own = _failure(tmp_path, 0, 1, "ValueError: bad batch")
+    echo = _failure(tmp_path, 1, -15)
+    failures = failures_from(ChildFailedError("job", {0: own, 1: echo}))
+    assert [f.rank for f in failures] == [0, 1] and not failures[0].blame
+
+
+# ---- worlds of 2 and 3 ----------------------------------------------------------------------------
+def _wait_for(paths: list[Path], limit_s: float = 90.0) -> None:
+    """The culprit "hangs" until the others have given up (bounded so a bug cannot hang pytest)."""
+    deadline = time.monotonic() + limit_s
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class _Stopped(Exception):
+    """The culprit leaves ``join()`` without shadowing its peers (it is the one that hung)."""
+
+
+def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory: str) -> dict:
+    lockstep.init_distributed(timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Start the steps together: on a loaded machine, set-up alone can outlast the short timeout.
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    others = [Path(directory, f"done-{r}") for r in range(world) if r != culprit]
+    out: dict = {"error": "no error"}
+    start = time.monotonic()
+    try:
+        with model.join(enable=mode == "join"):
+            for step in range(1, 6):
+                if rank == culprit and step == 3:
+                    if mode == "leave":
+                        return out  # uneven data: exits with 0 while the others go on
+                    if mode == "join":
+                        _wait_for(others)  # stuck before its forward, inside join()
+                        raise _Stopped
+                loss = model(torch.ones(2, 4)).sum()
+                if rank == culprit and step == 3:
+                    _wait_for(others)  # stuck between forward and backward
+                    return out
+                start = time.monotonic()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    except _Stopped:
+        return out
+    except CollectiveTimeoutError as exc:
+        out = {"error": str(exc), "missing": exc.missing_ranks, "op": exc.op,
+               "elapsed": time.monotonic() - start}
+    Path(directory, f"done-{rank}").touch()
+    # Rank 0 hosts the store: it stays until every waiting rank has read its peers' records.
+    if rank == 0:
+        _wait_for(others)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,culprit", [(2, 0), (3, 1)])
+def test_rank_sleeping_before_backward_is_named_by_every_waiting_rank(tmp_path, world, culprit):
+    results = lockstep.spawn(_stop_in_training, world, (world, "sleep", culprit, str(tmp_path)),
+                             timeout=120)
+    for rank, out in enumerate(results):
+        if rank == culprit:
+            continue
+        assert out["missing"] == [culprit], out
+        assert out["error"].startswith(
+            f"rank {rank}: DDP gradient all-reduce (bucket 0 of 1) failed after waiting "), out
+        assert (
+            f"rank {culprit} on {HOST} did not arrive: it is alive but stuck at step 3, phase "
+            f"'after forward, before backward', last collective #3 DDP gradient all-reduce "
+            "(bucket 0)"
+        ) in out["error"], out
+        assert f"Timed out waiting {TIMEOUT_S * 1000:.0f}ms" in out["error"]
+        assert out["elapsed"] < NAMED_WITHIN_S, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_leaving_the_loop_early_is_named(tmp_path, world):
+    culprit = world - 1
+    results = lockstep.spawn(_stop_in_training, world, (world, "leave", culprit, str(tmp_path)),
+                             timeout=120)
+    for rank, out in enumerate(results[:culprit]):
+        assert out["missing"] == [culprit], out
+        assert (
+            f"rank {culprit} on {HOST} exited while its peers still needed it, at step 2, phase "
+            "'after backward (optimizer step, data loading, next forward)'"
+        ) in out["error"], out
+        assert "left the training loop early" in out["error"]
+        assert out["elapsed"] < NAMED_WITHIN_S, out
+
+
+@pytest.mark.multirank
+def test_rank_stuck_inside_join_is_named(tmp_path):
+    results = lockstep.spawn(_stop_in_training, 3, (3, "join", 2, str(tmp_path)), timeout=120)
+    for out in results[:2]:
+        assert out["missing"] == [2] and out["op"] == "DDP join announcement", results
+        assert (f"rank 2 on {HOST} did not arrive: it is alive but stuck at step 2, phase "
+                "'after backward (optimizer step, data loading, next forward)'") in out["error"]
+
+
+def _skip_a_save(rank: int, directory: str) -> str:
+    lockstep.init_distributed(timeout=timedelta(seconds=30))
+    ckpt = lockstep.Checkpointer(Path(directory, "ckpt"), timeout=TIMEOUT_S)
+    done = Path(directory, "done-0")
+    if rank == 1:
+        _wait_for([done])  # never calls save()
+        return ""
+    try:
+        ckpt.save(1, model=nn.Linear(2, 2))
+        return "no error"
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        done.touch()
+
+
+@pytest.mark.multirank
+def test_rank_missing_a_checkpointer_meeting_is_named_with_where_it_is(tmp_path):
+    message = lockstep.spawn(_skip_a_save, 2, (str(tmp_path),), timeout=120)[0]
+    assert "for rank(s) [1], which never called it" in message, message
+    assert (f"Where they are: rank 1 on {HOST} did not arrive: it is alive but stuck at step 0, "
+            "phase 'started'") in message, message
+
+
+# ---- under lockstep run ---------------------------------------------------------------------------
+def _launch(tmp_path: Path, world: int, mode: str, culprit: int, **env: str):
+    command = [sys.executable, "-m", "lockstep", "run", "--nproc-per-node", str(world),
+               str(SCRIPT), mode, str(culprit), str(TIMEOUT_S)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=150,
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    return done.returncode, done.stderr
+
+
+def test_heartbeat_interval_knob():
+    assert publish_interval({}) == 1.0
+    assert publish_interval({INTERVAL_ENV_VAR: "0.25"}) == 0.25
+    with pytest.raises(ValueError, match="LOCKSTEP_PROGRESS_INTERVAL='soon': expected a positive"):
+        publish_interval({INTERVAL_ENV_VAR: "soon"})
+
+
+@pytest.mark.multirank
+def test_launcher_names_the_rank_that_hung(tmp_path):
+    culprit = 1
+    code, err = _launch(tmp_path, 2, "sleep", culprit)
+    assert code == 1, err[-3000:]
+    assert (f"Root cause: rank {culprit} (local rank {culprit}, pid ") in err, err[-3000:]
+    assert ("hung at step 3, phase 'after forward, before backward': its peers waited for it in "
+            "vain (named by rank(s) 0") in err, err[-3000:]
+    assert "the launcher then stopped it (SIGTERM)." in err
+    assert "reported: DDP gradient all-reduce (bucket 0 of 1) failed after waiting" in err
+
+
+@pytest.mark.multirank
+def test_launcher_names_the_rank_that_left_early(tmp_path):
+    code, err = _launch(tmp_path, 2, "leave", 1)
+    assert code == 1, err[-3000:]
+    assert ("Root cause: rank 1 (local rank 1, pid ") in err, err[-3000:]
+    assert ("left early: it exited at step 2, phase 'after backward (optimizer step, data "
+            "loading, next forward)' while its peers waited for it (named by rank(s) 0).") in err
+
+
+@pytest.mark.multirank
+def test_launcher_names_the_rank_with_other_shapes_in_debug_mode(tmp_path):
+    code, err = _launch(tmp_path, 3, "shapes", 2, LOCKSTEP_DEBUG_COLLECTIVES="1")
+    assert code == 1, err[-3000:]
+    assert "Root cause: rank 2 (local rank 2, pid " in err, err[-3000:]
+    assert "called a different collective than its peers (named by rank(s) " in err
+    assert "rank 2 calls all_reduce(float32[5] cpu); while ranks [0, 1] call" in err
