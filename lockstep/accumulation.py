@@ -9,7 +9,8 @@ the sum once.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import torch
 

@@ -17,7 +17,9 @@ from lockstep import progress
 from lockstep.env import ProcessInfo, default_backend, detect_process_info
 from lockstep.teardown import quiesce
 
-__all__ = ["current_process_info", "init_distributed", "pick_device", "shutdown_distributed"]
+__all__ = [
+    "current_process_info", "init_distributed", "pick_device", "resolve_group", "shutdown_distributed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,23 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
         yield
     finally:
         del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group`` itself, or the default group for torch's ``None``.
+
+    Raises:
+        RuntimeError: ``None`` was given and no default process group exists.
+    """
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError(
+            "no process group: call lockstep.init_distributed() first (it works under lockstep "
+            "run, torchrun, srun and plain python)."
+        )
+    return world
 
 
 def shutdown_distributed() -> None:

@@ -87,9 +87,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x_hat = (x - _channel_view(mean, x)) * _channel_view(invstd, x)
         y = x_hat
         if weight is not None:
+            assert bias is not None, "affine BatchNorm has both weight and bias"
             y = y * _channel_view(weight.to(x.dtype), x) + _channel_view(bias.to(x.dtype), x)
-        ctx.save_for_backward(x_hat, invstd, weight)
-        ctx.group, ctx.total = group, total
+        ctx.save_for_backward(x_hat, invstd, weight)  # type: ignore[arg-type]  # None allowed
+        ctx.group, ctx.total = group, total  # type: ignore[attr-defined]
         count = torch.tensor(total, device=x.device)
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
@@ -205,13 +206,14 @@ class SyncBatchNorm(_BatchNorm):
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         """Exponential (or, with momentum None, cumulative) averages, as BatchNorm keeps them."""
-        self.num_batches_tracked.add_(1)
-        factor = (
-            1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        )
+        tracked, running_mean, running_var = (
+            self.num_batches_tracked, self.running_mean, self.running_var)
+        assert tracked is not None and running_mean is not None and running_var is not None
+        tracked.add_(1)
+        factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
         unbiased = var * (count / (count - 1))
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        running_mean.lerp_(mean.to(running_mean.dtype), factor)
+        running_var.lerp_(unbiased.to(running_var.dtype), factor)
 
     @classmethod
     def convert_sync_batchnorm(

@@ -31,7 +31,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SNIPPET_TIMEOUT_S = 240
 # Pages and names that the docs mention and other branches are adding (the doctor, the planner,
 # the torch-compatibility notes). Remove each entry as soon as it exists.
-PENDING = {"docs/doctor.md", "docs/plan.md", "lockstep.profile"}
+PENDING: set[str] = set()
 FRAGMENT = "<!-- fragment -->"
 LAUNCH = re.compile(r"<!-- launch: (\d+) -->")
 

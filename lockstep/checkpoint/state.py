@@ -133,7 +133,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
     Raises:
         CheckpointError: the file is damaged, unsafe, or holds another model's weights.
     """
-    state = load_file(path)
+    state = load_file(os.fspath(path))
     if not isinstance(state, Mapping):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of weights")
     load_model_state(model, state, str(path))
@@ -149,13 +149,13 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
     except ImportError:
-        np = None
+        np = None  # type: ignore[assignment]
     if np is not None:
         kind, key, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {
             "kind": str(kind),
             # int64 because older torch cannot hold uint32 tensors.
-            "key": torch.from_numpy(key.astype(np.int64)),
+            "key": torch.from_numpy(key.astype(np.int64)),  # type: ignore[attr-defined]
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),
@@ -175,7 +175,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         try:
             import numpy as np
         except ImportError:
-            np = None
+            np = None  # type: ignore[assignment]
         if np is not None:
             saved = state["numpy"]
             key = saved["key"].numpy().astype(np.uint32)

@@ -12,7 +12,7 @@ grow to hundreds of steps.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from lockstep.comm.state import ByteCounter
 from lockstep.ddp.comm_hooks import GradBucket, completed_future
+from lockstep.distributed import resolve_group
 
 __all__ = ["LocalSGD", "local_gradients_hook"]
 
@@ -88,14 +89,15 @@ class LocalSGD:
         self.model = model
         self.optimizer = optimizer
         self.sync_every = sync_every
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = resolve_group(process_group)
         self.counter = counter if counter is not None else ByteCounter()
         self.local_steps = 0
         self._params = [p for p in model.parameters() if p.requires_grad]
         # Running statistics (BatchNorm) are merged too; integer counters are equal anyway.
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
-        if hasattr(model, "register_comm_hook"):
-            model.register_comm_hook(None, local_gradients_hook)
+        register = getattr(model, "register_comm_hook", None)
+        if callable(register):
+            register(None, local_gradients_hook)
         else:
             self._broadcast_from_first_rank()
         self._anchors: list[torch.Tensor] = []
@@ -133,7 +135,7 @@ class LocalSGD:
         for anchor, p in zip(self._anchors, self._params):
             p.copy_(anchor)
 
-    def _average(self, tensors: list[torch.Tensor]) -> None:
+    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
         world = dist.get_world_size(self.process_group)
         for group in _flat_groups(tensors):
             flat = torch.cat([t.reshape(-1) for t in group]).div_(world)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lockstep.comm.compression import compress_hook
 from lockstep.comm.state import ByteCounter
 from lockstep.ddp.comm_hooks import GradBucket, completed_future
+from lockstep.distributed import resolve_group
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
@@ -207,7 +208,7 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         fut = compress_hook(state, bucket, None)
         state.end_bucket(bucket)
         return fut
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    group = resolve_group(state.process_group)
     buffer = bucket.buffer()
     # Work in at least float32: QR and error feedback need the precision fp16/bf16 lack.
     grad = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()

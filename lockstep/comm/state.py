@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep.distributed import resolve_group
+
 __all__ = ["ByteCounter", "CommState", "resolve_state"]
 
 
@@ -82,4 +84,4 @@ def resolve_state(state: Any) -> tuple[dist.ProcessGroup, ByteCounter | None]:
         raise TypeError(
             f"hook state must be None, a ProcessGroup or a CommState, got {type(state).__name__}"
         )
-    return (group if group is not None else dist.group.WORLD), counter
+    return resolve_group(group), counter

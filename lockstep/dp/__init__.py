@@ -11,4 +11,4 @@ from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replicate import replicate
 from lockstep.dp.scatter_gather import gather, scatter, scatter_kwargs
 
-__all__ = ["DataParallel", "scatter", "scatter_kwargs", "gather", "replicate", "parallel_apply"]
+__all__ = ["DataParallel", "gather", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]

@@ -7,11 +7,11 @@ multiprocessors than the others makes the whole step wait for it (or runs out of
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DeviceCapacity", "imbalance_message", "device_capacities"]
+__all__ = ["DeviceCapacity", "device_capacities", "imbalance_message"]
 
 # A device below this share of the largest one's memory or multiprocessors is called out;
 # the same threshold torch's DataParallel uses for its imbalance warning.

@@ -12,7 +12,8 @@ such a write (or build the wrapper with ``cache_replicas=False``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from typing_extensions import Self
 
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, shutdown_distributed
 from lockstep.doctor.env import profiling_requested
@@ -122,14 +123,18 @@ class Runtime:
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The bare model inside a DDP wrapper (for saving or evaluating), else ``model``."""
-        return model.module if _is_ddp(model) else model
+        inner = model.module if _is_ddp(model) else model
+        assert isinstance(inner, torch.nn.Module)
+        return inner
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip gradient synchronisation inside the block (gradient accumulation).
 
         ``model.no_sync()`` under DDP; a context that does nothing for a bare model.
         """
-        return model.no_sync() if _is_ddp(model) else contextlib.nullcontext()
+        if _is_ddp(model):
+            return model.no_sync()  # type: ignore[operator]  # DDP's no_sync
+        return contextlib.nullcontext()
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -211,7 +216,7 @@ class Runtime:
             shutdown_distributed()
             self._owns_group = False
 
-    def __enter__(self) -> Runtime:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -19,7 +19,9 @@ import threading
 from collections.abc import Iterable
 from typing import TextIO
 
-__all__ = ["OutputRelay", "PrefixWriter", "RANK_FILE"]
+from typing_extensions import Self
+
+__all__ = ["RANK_FILE", "OutputRelay", "PrefixWriter"]
 
 # Written by each worker next to its log files, so the relay can name it by global rank.
 RANK_FILE = "rank"
@@ -116,7 +118,7 @@ class OutputRelay:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lockstep-output", daemon=True)
 
-    def __enter__(self) -> OutputRelay:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

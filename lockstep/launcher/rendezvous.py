@@ -24,7 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
     C10dRendezvousBackend,
     create_backend,
@@ -125,7 +128,7 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     on torch versions without these attributes, setting them changes nothing.
     """
 
-    def next_rendezvous(self):  # noqa: ANN201 - torch's RendezvousInfo
+    def next_rendezvous(self):
         self._shared_tcp_store_server = None
         self._bootstrap_store_info = None
         return super().next_rendezvous()

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from lockstep.launcher.errors import trim_traceback
 from lockstep.launcher.output import RANK_FILE
 
-__all__ = ["run_script", "main", "LAUNCHER_PID_ENV"]
+__all__ = ["LAUNCHER_PID_ENV", "main", "run_script"]
 
 # The launcher puts its pid here so a worker can tell that it was orphaned before it could
 # ask the kernel to be signalled on the launcher's death.
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     _announce_rank()
     try:
         run_script(argv[0], argv[1:], as_module)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure of the user's script is reported
         # Printed here rather than by Python's hook: torch.distributed's hook prefixes each
         # line with the rank, which the launcher already does.
         print(trim_traceback(traceback.format_exc()), file=sys.stderr, flush=True)

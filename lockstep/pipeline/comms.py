@@ -12,13 +12,17 @@ receives, which a valid schedule always satisfies.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "send_tensors", "recv_tensors", "send_grads", "recv_grads", "send_tensors_recv_grads",
+    "recv_grads",
+    "recv_tensors",
+    "send_grads",
+    "send_tensors",
+    "send_tensors_recv_grads",
     "wait_all",
 ]
 

@@ -8,7 +8,8 @@ stages on different GPUs still overlap while this thread queues work.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,14 +18,14 @@ from torch import nn
 __all__ = [
     "Balance",
     "balanced_sizes",
-    "parameter_counts",
     "measure_layer_times",
-    "stage_sizes",
+    "parameter_counts",
     "split_layers",
+    "stage_sizes",
 ]
 
 # "params", "time", or the number of layers of each stage, e.g. [2, 3].
-Balance = Union[str, Sequence[int]]
+Balance = str | Sequence[int]
 
 
 def balanced_sizes(weights: Sequence[float], num_stages: int) -> list[int]:
@@ -208,22 +209,23 @@ def split_layers(
     if isinstance(module, nn.Sequential):
         named = list(module.named_children())
         sizes = stage_sizes([m for _, m in named], num_stages, balance or "params", sample)
-        stages, start = [], 0
+        stages: list[nn.Module] = []
+        start = 0
         for size in sizes:
             # Keep the original layer names so a stage's state_dict keys match the model's.
             stages.append(nn.Sequential(OrderedDict(named[start:start + size])))
             start += size
         return stages
     if isinstance(module, (list, tuple, nn.ModuleList)):
-        stages = list(module)
-        if len(stages) != num_stages:
+        explicit = list(module)
+        if len(explicit) != num_stages:
             raise ValueError(
-                f"got {len(stages)} explicit stages, but the pipeline has {num_stages} "
+                f"got {len(explicit)} explicit stages, but the pipeline has {num_stages} "
                 "(devices or ranks); give one stage per device or rank"
             )
-        if not all(isinstance(s, nn.Module) for s in stages):
+        if not all(isinstance(s, nn.Module) for s in explicit):
             raise ValueError("every explicit stage must be an nn.Module")
-        return stages
+        return explicit
     raise ValueError(
         f"a pipeline needs an nn.Sequential or a list of stage modules, got {type(module).__name__}"
     )

@@ -9,7 +9,8 @@ ranks of a process group (one stage per rank, activations sent with point-to-poi
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,12 +125,13 @@ class Pipeline(nn.Module):
         if dist.get_rank(group) == 0:
             try:
                 answer = [stage_sizes(layers, self.num_stages, "time", sample)]
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - sent to the other ranks, re-raised there
                 answer = [f"{type(exc).__name__}: {exc}"]
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(answer, src=src, group=group)
         if isinstance(answer[0], str):
-            raise RuntimeError(f"rank {src} failed timing the layers for balance='time': "
+            raise RuntimeError(  # noqa: TRY004 - a remote failure, not a type error
+                f"rank {src} failed timing the layers for balance='time': "
                                f"{answer[0]}")
         return answer[0]
 
@@ -222,6 +224,7 @@ class Pipeline(nn.Module):
             outputs = [outs[i] for i in sorted(outs)]
             mb_losses = [loss_map[i] for i in sorted(loss_map)]
         else:
+            assert microbatches is not None, "one process holds every stage, the first included"
             outputs, mb_losses = run_local(self._runners, schedule, microbatches, targets, scales)
         if losses is not None:
             losses.extend(mb_losses)

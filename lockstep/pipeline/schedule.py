@@ -22,24 +22,25 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "Schedule",
     "Timeline",
-    "gpipe",
-    "one_f_one_b",
-    "forward_only",
-    "get_schedule",
-    "SCHEDULES",
-    "validate_schedule",
-    "simulate",
+    "bubble_fraction",
     "format_schedule",
     "format_timeline",
-    "bubble_fraction",
+    "forward_only",
+    "get_schedule",
+    "gpipe",
     "in_flight_peaks",
+    "one_f_one_b",
+    "simulate",
+    "validate_schedule",
 ]
 
 Phase = Literal["F", "B"]
@@ -245,13 +246,13 @@ def format_timeline(schedule: Schedule, timeline: Timeline | None = None) -> str
     Costs must be whole numbers of units (the default :func:`simulate` costs are).
     """
     timeline = timeline or simulate(schedule)
-    width = int(round(timeline.makespan))
+    width = round(timeline.makespan)
     lines = []
     for s, actions in enumerate(schedule):
         cells = [".."] * width
         for k, action in enumerate(actions):
-            first = int(round(timeline.starts[s][k]))
-            for t in range(first, first + int(round(timeline.durations[s][k]))):
+            first = round(timeline.starts[s][k])
+            for t in range(first, first + round(timeline.durations[s][k])):
                 cells[t] = str(action).ljust(2)
         lines.append(f"stage {s}: " + " ".join(cells))
     return "\n".join(lines)

@@ -9,13 +9,14 @@ gradient of those inputs is what goes back to the stage before.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StageStats", "StageRunner", "as_tensor_tuple"]
+__all__ = ["StageRunner", "StageStats", "as_tensor_tuple"]
 
 
 def as_tensor_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:

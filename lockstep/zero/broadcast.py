@@ -6,9 +6,9 @@ broadcasts for a transformer), one per owner and dtype costs ``world_size`` late
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lockstep import hang
 from lockstep.progress import group_progress
 
-__all__ = ["OwnerBucket", "make_buckets", "global_ranks", "broadcast_buckets", "attach_views"]
+__all__ = ["OwnerBucket", "attach_views", "broadcast_buckets", "global_ranks", "make_buckets"]
 
 
 @dataclass
@@ -38,7 +38,7 @@ class OwnerBucket:
 
 def make_buckets(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> list[OwnerBucket]:
     """Group each owner's parameters by dtype, in order; owners without any are left out."""
-    buckets = []
+    buckets: list[OwnerBucket] = []
     for owner, params in enumerate(params_by_owner):
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:

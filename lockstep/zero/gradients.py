@@ -8,7 +8,7 @@ gradients for about ``1/world_size`` of the parameters between steps.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from lockstep import hang
 from lockstep.progress import group_progress
 from lockstep.zero.broadcast import OwnerBucket
 
-__all__ = ["reduce_to_owners", "grad_bytes"]
+__all__ = ["grad_bytes", "reduce_to_owners"]
 
 
 @torch.no_grad()

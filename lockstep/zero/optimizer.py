@@ -10,7 +10,8 @@ its owner only, instead of being all-reduced to everyone.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step this rank's shard, then share the updated parameters with every rank.
 
         Every rank must call it (it communicates). With ``reduce_gradients=True`` a closure

@@ -5,7 +5,7 @@ Pure logic, no communication: every rank computes the same answer from the same 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["assign_owners", "partition_groups"]
 

@@ -8,12 +8,17 @@ Pure logic, no communication.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 __all__ = [
-    "global_indices", "shard_state", "full_state_dict", "local_state_dict", "check_compatible"
+    "check_compatible",
+    "full_state_dict",
+    "global_indices",
+    "local_state_dict",
+    "shard_state"
 ]
 
 
