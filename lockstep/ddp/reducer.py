@@ -181,8 +181,11 @@ class Reducer:
                         logger.debug("all-reduce of an abandoned backward failed", exc_info=True)
             self._reset_iteration()
         self._active = sync
-        self.progress.begin_step("after forward, before backward")
-        if sync and outputs is not None:
+        if not torch.compiler.is_compiling():  # bookkeeping stays out of a compiled graph
+            self.progress.begin_step("after forward, before backward")
+        # Under torch.compile the outputs are not hooked (the hook would be traced into the graph
+        # and break it); the first gradient hook, which runs outside the graph, queues the end.
+        if sync and outputs is not None and not torch.compiler.is_compiling():
             hook_outputs(outputs, self._on_output_grad)
 
     def _on_output_grad(self) -> None:
@@ -374,6 +377,7 @@ class Reducer:
         self._pending = [len(b.param_indices) for b in self.buckets]
         self._futures = [None] * len(self.buckets)
         self._ready = [False] * len(self.params)
+        self._seqs = [0] * len(self.buckets)
         self._next_launch = 0
 
     def _wait_all(self) -> None:

@@ -182,6 +182,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             verify_same_parameters(list(module.named_parameters()), self.process_group, buffers)
             state = [p.detach() for p in module.parameters()] + [b.detach() for _, b in buffers]
             broadcast_coalesced(state, self._src, self.process_group)
+        settings = settings_from_env()  # LOCKSTEP_PROFILE=dir: set by `lockstep doctor`
+        if settings is not None:
+            self.enable_profiling(**settings)
 
     def _connect(self) -> None:
         """Everything tied to the process group: rebuilt after unpickling."""
@@ -207,9 +210,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             state = ReduceDtypeState(self.process_group, reduce_dtype=self._reduce_dtype)
             self._reducer.comm_hook, self._reducer.comm_state = reduce_dtype_hook, state
             self._hook_registered = True
-        settings = settings_from_env()  # LOCKSTEP_PROFILE=dir: set by `lockstep doctor`
-        if settings is not None:
-            self.enable_profiling(**settings)
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
         for name, p in named:
