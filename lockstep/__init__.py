@@ -12,10 +12,9 @@ never imports the training machinery it does not use. One rule for reaching anyt
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import pkgutil
-from typing import Any
+
+from lockstep.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -63,16 +62,7 @@ def _submodules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

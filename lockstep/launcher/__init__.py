@@ -18,9 +18,8 @@ so that a worker importing :mod:`lockstep.launcher.worker` does not load the lau
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import Any
+
+from lockstep.lazy import lazy_getattr
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -33,16 +32,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["LaunchPlan", "WorkerError", "launch", "spawn"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module 'lockstep.launcher' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:
