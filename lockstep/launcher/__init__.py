@@ -18,7 +18,6 @@ so that a worker importing :mod:`lockstep.launcher.worker` does not load the lau
 
 from __future__ import annotations
 
-
 from lockstep.lazy import lazy_getattr
 
 # public name -> module that defines it
