@@ -13,7 +13,9 @@ How the global order is built, for epoch ``e`` and world size ``W``:
 
 1. a permutation of the ``n`` dataset indices from ``seed + e`` (or ``0..n-1`` unshuffled);
 2. after a resume, the first ``consumed`` positions of it are skipped;
-3. what is left is padded by repeating it from its start up to a multiple of ``W``, or, with
+3. what is left is padded up to a multiple of ``W`` by repeating the epoch's order from its
+   start (so a resume on the same number of ranks pads exactly as the uninterrupted pass; on
+   another number, from the start of what is left, so nothing consumed is replayed), or, with
    ``drop_last``, cut down to one;
 4. rank ``r`` takes positions ``r, r + W, r + 2W, ...``.
 """
@@ -121,6 +123,7 @@ class DistributedSampler(Sampler[int]):
         self.epoch = 0
         # Global positions of this epoch's order already consumed before a resume.
         self._skip = 0
+        self._same_world = True  # a resumed pass: saved on as many ranks as this sampler has
         # The current pass: where it started in the global order, its length on this rank,
         # and how many indices it has yielded so far.
         self._pass_skip = 0
@@ -163,15 +166,20 @@ class DistributedSampler(Sampler[int]):
             order = torch.randperm(size, generator=generator).tolist()
         else:
             order = list(range(size))
-        order = order[self._skip:]
+        rest = order[self._skip:]
         total = self.total_size
-        if total <= len(order):
-            return order[:total]
-        if not order:
+        if total <= len(rest):
+            return rest[:total]
+        if not rest:
             return []
-        # Pad by repeating the order from its start, as many times as needed for tiny datasets.
-        repeats = math.ceil(total / len(order))
-        return (order * repeats)[:total]
+        # Pad by repeating the epoch's order from its start (as many times as a tiny dataset
+        # needs): a job resumed on the same number of ranks then pads with exactly the samples
+        # the uninterrupted pass used, so it stays bitwise equal to it.
+        # On another number of ranks, pad from the rest's start instead: nothing consumed is
+        # replayed.
+        source = order if self._same_world or not self._skip else rest
+        missing = total - len(rest)
+        return rest + (source * math.ceil(missing / len(source)))[:missing]
 
     def _warn_if_epoch_repeats(self) -> None:
         # Replayed for real: a full pass of this epoch already ran, or two earlier passes did
@@ -218,7 +226,7 @@ class DistributedSampler(Sampler[int]):
         return min(self._pass_skip + used * self.num_replicas, len(self.dataset))
 
     def state_dict(self, samples_per_rank: int | None = None) -> dict[str, int]:
-        """The position to resume from: ``{"epoch", "consumed", "seed"}``.
+        """The position to resume from: ``{"epoch", "consumed", "seed", "num_replicas"}``.
 
         ``consumed`` counts positions of the job-wide order, so the state is the same on every
         rank and may be loaded by a job with a different number of ranks.
@@ -226,7 +234,8 @@ class DistributedSampler(Sampler[int]):
         Args:
             samples_per_rank: see :meth:`consumed`.
         """
-        return {"epoch": self.epoch, "consumed": self.consumed(samples_per_rank), "seed": self.seed}
+        return {"epoch": self.epoch, "consumed": self.consumed(samples_per_rank), "seed": self.seed,
+                "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the epoch and position saved by :meth:`state_dict`.
@@ -253,6 +262,8 @@ class DistributedSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._skip = consumed
+        # Resumed on as many ranks as saved: pad this pass exactly as the uninterrupted one did.
+        self._same_world = state.get("num_replicas") == self.num_replicas
         self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
         self._passes_this_epoch = 0
         self._complete_this_epoch = False

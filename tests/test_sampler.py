@@ -137,7 +137,7 @@ def test_resume_mid_epoch_even_on_another_world_size(old_world, new_world):
     taken = _consume(old, per_rank=3)
     states = [s.state_dict() for s in old]
     assert all(state == states[0] for state in states)  # any rank may save it
-    assert states[0] == {"epoch": 1, "consumed": 3 * old_world, "seed": 3}
+    assert states[0] == {"epoch": 1, "consumed": 3 * old_world, "seed": 3, "num_replicas": old_world}
 
     new = [DistributedSampler(range(n), new_world, r, seed=3) for r in range(new_world)]
     rest = []
@@ -173,7 +173,7 @@ def test_state_after_a_complete_pass_and_explicit_counts():
     assert ahead.consumed() == 12
     assert ahead.state_dict(samples_per_rank=2)["consumed"] == 4
     ahead.set_epoch(1)
-    assert ahead.state_dict() == {"epoch": 1, "consumed": 0, "seed": 0}
+    assert ahead.state_dict() == {"epoch": 1, "consumed": 0, "seed": 0, "num_replicas": 2}
 
 
 def test_resume_through_a_dataloader():
@@ -227,3 +227,20 @@ def test_shards_in_a_world_of_three():
     for r, sampler in enumerate(reference):
         sampler.set_epoch(2)
         assert padded[r] == list(sampler)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_resume_on_the_same_world_pads_as_the_uninterrupted_pass(world):
+    """40 samples on 3 or 4 ranks need padding: a same-world resume yields exactly the rest of
+    the uninterrupted pass, padding included (bitwise-equal training after a restart)."""
+    full = [list(DistributedSampler(range(40), world, r, seed=5)) for r in range(world)]
+    for done in range(len(full[0]) + 1):
+        saver = DistributedSampler(range(40), world, 0, seed=5)
+        it = iter(saver)
+        for _ in range(done):
+            next(it)
+        state = saver.state_dict()
+        for r in range(world):
+            resumed = DistributedSampler(range(40), world, r, seed=5)
+            resumed.load_state_dict(state)
+            assert list(resumed) == full[r][done:]

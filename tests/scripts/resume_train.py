@@ -33,11 +33,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--marker", default="", help="file that says the kill already happened")
+    parser.add_argument("--model", choices=["small", "blocks"], default="small",
+                        help="blocks: residual blocks in several small buckets (layout matters)")
     return parser.parse_args()
 
 
-def build_model() -> nn.Module:
+class Block(nn.Module):
+    """A residual MLP block with LayerNorm: parameters of several sizes, arrival order mixed."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 3 * width), \
+            nn.Linear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def build_model(kind: str = "small") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "blocks":
+        return nn.Sequential(nn.Linear(6, 24), Block(24), nn.Dropout(0.2), Block(24), Block(24),
+                             nn.Linear(24, 2))
     # Dropout draws from each rank's RNG: an exact resume must restore those states too.
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
 
@@ -52,7 +69,10 @@ def main() -> None:
     # A DataLoader draws a seed from the global RNG each time iteration starts; its own
     # generator keeps a mid-epoch resume from shifting the global (dropout) stream.
     loader = DataLoader(dataset, batch_size=4, sampler=sampler, generator=torch.Generator())
-    model = lockstep.DistributedDataParallel(build_model())
+    # Small buckets for "blocks": several parameters share each one, so a bucket layout that
+    # differed between the first and the resumed run would round the sums differently.
+    cap = 0.004 if args.model == "blocks" else 25
+    model = lockstep.DistributedDataParallel(build_model(args.model), bucket_cap_mb=cap)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     torch.manual_seed(100 + info.rank)
