@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lockstep.tensors import iter_tensors
+
 __all__ = ["current_backward_id", "hook_outputs"]
 
 
@@ -33,17 +35,10 @@ def hook_outputs(output: Any, on_grad: Callable[[], None]) -> int:
         on_grad()
 
     hooked = 0
-    stack = [output]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                obj.register_hook(hook)
-                hooked += 1
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
+    for tensor in iter_tensors(output):
+        if tensor.requires_grad:
+            tensor.register_hook(hook)
+            hooked += 1
     return hooked
 
 

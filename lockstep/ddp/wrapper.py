@@ -38,7 +38,7 @@ from lockstep.doctor.env import settings_from_env
 from lockstep.doctor.recorder import Recorder
 from lockstep.doctor.records import StepTiming
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
-from lockstep.tensors import move_to
+from lockstep.tensors import iter_tensors, move_to
 
 __all__ = ["DistributedDataParallel"]
 
@@ -605,14 +605,6 @@ def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, sync
             Variable._execution_engine.queue_callback(
                 functools.partial(clock.backward_ended, synced=synced))
 
-    stack = [output]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                obj.register_hook(started)
-                return
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(reversed(obj))
-        elif isinstance(obj, dict):
-            stack.extend(reversed(list(obj.values())))
+    first = next((t for t in iter_tensors(output) if t.requires_grad), None)
+    if first is not None:
+        first.register_hook(started)
