@@ -1,6 +1,7 @@
 """Checkpoints that lose nothing: atomic, checksummed, safe to load, resumable at any world size.
 
-``manager`` is the public API (:class:`Checkpointer`); ``state`` knows what each object holds;
+``manager`` is the public API (:class:`Checkpointer`); ``meeting`` is where ranks meet and what
+they must agree on; ``state`` knows what each object holds;
 ``io`` knows how bytes reach the disk and come back.
 """
 

@@ -17,12 +17,10 @@ All ranks must see ``directory`` (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import shutil
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +30,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep import hang
 from lockstep.checkpoint.io import (
     CheckpointError,
     check_length,
@@ -43,6 +40,7 @@ from lockstep.checkpoint.io import (
     read_verified,
     write_atomic,
 )
+from lockstep.checkpoint.meeting import check_agreement, meet
 from lockstep.checkpoint.state import (
     apply_state,
     capture_rng,
@@ -58,19 +56,6 @@ _FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)$")
 _STATE_FILE = "state.pt"
 _DAMAGED_PREFIX = ".damaged-"
-_IN_CALL = "lockstep/checkpoint/in-call"  # store key prefix: the directory each rank is in
-_MEETING = "lockstep/checkpoint/meet"  # store key prefix: who arrived at which call
-_POLL_S = 0.2  # at most this long between two looks at the store while waiting
-
-
-def _default_store() -> Any:
-    # torch keeps the default group's store privately; without it only the diagnosis is lost.
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _dir_name(step: int) -> str:
     return f"step_{step:012d}"
 
@@ -157,77 +142,17 @@ class Checkpointer:
         self._known_intact: dict[Path, int] = {}
 
     def _meet(self, call: str) -> None:
-        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only).
-
-        A meeting through the store, not a collective, so nothing is left pending when a rank
-        never comes. While waiting, each rank also shows which directory it is in, so that
-        ranks given different directories are told so at once instead of timing out.
-        """
+        """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
         if self._rank_and_world()[1] == 1:
             return
-        store = _default_store()
-        if store is None:
-            return  # no store to meet in: the collectives that follow are the barrier
         self._calls += 1
-        # The path as given, not resolved: machines may mount a shared filesystem differently.
-        where = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
-        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-        keys = {r: f"{_MEETING}/{where}/{self._calls}/{r}" for r in ranks}
-        me = dist.get_rank()
-        store.set(f"{_IN_CALL}/{me}", str(self.directory))
-        store.set(keys[me], "1")
-        missing = self._wait(store, keys, call)
-        store.set(f"{_IN_CALL}/{me}", "")
-        if missing:
-            raise CheckpointError(hang.describe_missing(missing, (
-                f"rank {me} waited {self.timeout.total_seconds():g}s in "
-                f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
-                "and restore() on every rank, not only on rank 0."
-            )))
-
-    def _wait(self, store: Any, keys: dict[int, str], call: str) -> list[int]:
-        """Poll until every rank arrived (returns []) or the timeout (returns the missing)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        pause = 0.005
-        while True:
-            missing = [r for r, key in keys.items() if not store.check([key])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            elsewhere = {}
-            for rank in missing:
-                if store.check([f"{_IN_CALL}/{rank}"]):
-                    elsewhere[rank] = store.get(f"{_IN_CALL}/{rank}").decode()
-            elsewhere = {r: d for r, d in elsewhere.items() if d and d != str(self.directory)}
-            if elsewhere:
-                mine = {dist.get_rank(): str(self.directory)}
-                listed = ", ".join(f"rank {r}: {d!r}" for r, d in sorted({**mine, **elsewhere}.items()))
-                # The in-call mark stays: the other ranks see this one's directory too.
-                raise CheckpointError(
-                    f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
-                    "rank must pass the same directory (one shared by all of them)."
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S)
+        meet(self.directory, call, self._calls, self.timeout, self.process_group)
 
     def _check_agreement(self, call: str, step: int | None = None) -> None:
         """Raise on every rank if the ranks passed different directories or steps."""
         if self._rank_and_world()[1] == 1:
             return
-        seen = self._gather((str(self.directory), step))
-        directories = {rank: where for rank, (where, _) in enumerate(seen)}
-        if len(set(directories.values())) > 1:
-            listed = ", ".join(f"rank {r}: {d!r}" for r, d in directories.items())
-            raise CheckpointError(
-                f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
-                "rank must pass the same directory (one shared by all of them)."
-            )
-        steps = {rank: s for rank, (_, s) in enumerate(seen)}
-        if len(set(steps.values())) > 1:
-            listed = ", ".join(f"rank {r}: {s}" for r, s in steps.items())
-            raise CheckpointError(
-                f"Checkpointer.{call}: the ranks passed different steps ({listed}). Pass the "
-                "same step on every rank (e.g. the global step, not a per-rank counter)."
-            )
+        check_agreement(call, self._gather((str(self.directory), step)))
 
     def _check_directory(self) -> None:
         """Refuse a directory that is a file, or a single checkpoint (one level too deep)."""

@@ -1,0 +1,112 @@
+"""Where the ranks of a save or restore meet, and what they must agree on.
+
+The meeting goes through the rendezvous store, not a collective: a rank that never comes
+leaves nothing pending in the process group, and the others learn who is missing. While
+waiting, each rank shows which directory it is in, so that ranks given different directories
+are told so at once instead of timing out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lockstep import hang
+from lockstep.checkpoint.io import CheckpointError
+
+__all__ = ["check_agreement", "meet"]
+
+_IN_CALL = "lockstep/checkpoint/in-call"  # store key prefix: the directory each rank is in
+_MEETING = "lockstep/checkpoint/meet"  # store key prefix: who arrived at which call
+_POLL_S = 0.2  # at most this long between two looks at the store while waiting
+
+
+def _default_store() -> Any:
+    # torch keeps the default group's store privately; without it only the diagnosis is lost.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def meet(
+    directory: Path, call: str, number: int, timeout: timedelta, process_group: Any = None
+) -> None:
+    """Wait for every rank of ``process_group`` at call ``number`` on ``directory``.
+
+    Raises:
+        CheckpointError: a rank did not come within ``timeout`` (named), or the ranks are in
+            different directories (each named with its directory).
+    """
+    store = _default_store()
+    if store is None:
+        return  # no store to meet in: the collectives that follow are the barrier
+    # The path as given, not resolved: machines may mount a shared filesystem differently.
+    where = hashlib.sha1(str(directory).encode()).hexdigest()[:12]
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    keys = {r: f"{_MEETING}/{where}/{number}/{r}" for r in ranks}
+    me = dist.get_rank()
+    store.set(f"{_IN_CALL}/{me}", str(directory))
+    store.set(keys[me], "1")
+    missing = _wait(store, keys, call, directory, timeout)
+    store.set(f"{_IN_CALL}/{me}", "")
+    if missing:
+        raise CheckpointError(hang.describe_missing(missing, (
+            f"rank {me} waited {timeout.total_seconds():g}s in "
+            f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
+            "and restore() on every rank, not only on rank 0."
+        )))
+
+
+def _wait(
+    store: Any, keys: dict[int, str], call: str, directory: Path, timeout: timedelta
+) -> list[int]:
+    """Poll until every rank arrived (returns []) or the timeout (returns the missing)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.005
+    while True:
+        missing = [r for r, key in keys.items() if not store.check([key])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        elsewhere = {}
+        for rank in missing:
+            if store.check([f"{_IN_CALL}/{rank}"]):
+                elsewhere[rank] = store.get(f"{_IN_CALL}/{rank}").decode()
+        elsewhere = {r: d for r, d in elsewhere.items() if d and d != str(directory)}
+        if elsewhere:
+            mine = {dist.get_rank(): str(directory)}
+            listed = ", ".join(f"rank {r}: {d!r}" for r, d in sorted({**mine, **elsewhere}.items()))
+            # The in-call mark stays: the other ranks see this one's directory too.
+            raise CheckpointError(
+                f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+                "rank must pass the same directory (one shared by all of them)."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S)
+
+
+def check_agreement(call: str, seen: list[tuple[str, int | None]]) -> None:
+    """Raise if the ranks' ``(directory, step)`` differ; ``seen`` is indexed by rank.
+
+    Raises:
+        CheckpointError: naming each rank's directory, or each rank's step.
+    """
+    directories = {rank: where for rank, (where, _) in enumerate(seen)}
+    if len(set(directories.values())) > 1:
+        listed = ", ".join(f"rank {r}: {d!r}" for r, d in directories.items())
+        raise CheckpointError(
+            f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
+            "rank must pass the same directory (one shared by all of them)."
+        )
+    steps = {rank: s for rank, (_, s) in enumerate(seen)}
+    if len(set(steps.values())) > 1:
+        listed = ", ".join(f"rank {r}: {s}" for r, s in steps.items())
+        raise CheckpointError(
+            f"Checkpointer.{call}: the ranks passed different steps ({listed}). Pass the "
+            "same step on every rank (e.g. the global step, not a per-rank counter)."
+        )
