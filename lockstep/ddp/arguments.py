@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.comm.fp32_accumulate import check_wire_dtype
 from lockstep.ddp.bucket import MB
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "check_device_ids",
     "check_mixed_precision",
     "check_module",
+    "check_reduce_dtype",
     "resolve_process_group",
     "warn_check_reduction",
 ]
@@ -183,6 +185,26 @@ def check_mixed_precision(mixed_precision: Any) -> torch.dtype | None:
             f"torch.dtype such as torch.float16, got {dtype!r}"
         )
     return dtype
+
+
+def check_reduce_dtype(reduce_dtype: Any, mixed_precision_dtype: torch.dtype | None) -> torch.dtype | None:
+    """lockstep's ``reduce_dtype=``: the dtype gradients travel in, their mean added up in fp32.
+
+    Raises:
+        TypeError: not a floating-point ``torch.dtype``.
+        ValueError: ``mixed_precision.reduce_dtype`` is set too (two reductions for one model).
+    """
+    if reduce_dtype is None:
+        return None
+    check_wire_dtype(reduce_dtype, "DistributedDataParallel: reduce_dtype")
+    if mixed_precision_dtype is not None:
+        raise ValueError(
+            f"DistributedDataParallel: reduce_dtype={reduce_dtype} and mixed_precision.reduce_dtype="
+            f"{mixed_precision_dtype} were both given. Pass one: reduce_dtype (lockstep) sends "
+            "gradients in that dtype and adds them up in fp32; mixed_precision (torch's) also "
+            "sums in that dtype, which drifts as ranks are added."
+        )
+    return reduce_dtype
 
 
 def warn_check_reduction() -> None:

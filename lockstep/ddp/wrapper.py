@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep import hang
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
+from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
 from lockstep.ddp import arguments
 from lockstep.ddp.comm_hooks import returns_future
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
@@ -86,6 +87,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: accepted; a kernel-count optimisation for CUDA with the same results.
         forward_sync_buffers: broadcast rank 0's buffers before each forward (default True);
             buffers are broadcast at construction either way.
+        reduce_dtype: lockstep's extension, keyword only: gradients travel in this dtype (e.g.
+            ``torch.bfloat16``, half the bytes) and their mean is added up in fp32, so unlike
+            ``mixed_precision``'s it does not drift as ranks are added; ``.grad`` stays fp32.
+            Installs :func:`lockstep.comm.fp32_accumulate_hook` (docs/compression-and-local-sgd.md).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a size that is not a number.
@@ -126,12 +131,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_cap_mb_list: Sequence[float] | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        *,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
         arguments.check_module(module)
         self._bucket_cap_bytes = arguments.bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self._reduce_dtype = arguments.check_mixed_precision(mixed_precision)
+        self.reduce_dtype = arguments.check_reduce_dtype(reduce_dtype, self._reduce_dtype)
         if check_reduction:
             arguments.warn_check_reduction()
         if not dist.is_initialized():
@@ -209,6 +217,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._reduce_dtype is not None and self._reducer is not None:
             state = ReduceDtypeState(self.process_group, reduce_dtype=self._reduce_dtype)
             self._reducer.comm_hook, self._reducer.comm_state = reduce_dtype_hook, state
+            self._hook_registered = True
+        elif self.reduce_dtype is not None and self._reducer is not None:
+            wire = FP32AccumulateState(self.process_group, wire_dtype=self.reduce_dtype)
+            self._reducer.comm_hook, self._reducer.comm_state = fp32_accumulate_hook, wire
             self._hook_registered = True
 
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -435,7 +447,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
         if self._hook_registered:
             why = (" (mixed_precision installed its reduce_dtype hook)"
-                   if self._reduce_dtype is not None else "")
+                   if self._reduce_dtype is not None else
+                   " (reduce_dtype installed lockstep.comm.fp32_accumulate_hook)"
+                   if self.reduce_dtype is not None else "")
             raise RuntimeError(
                 f"register_comm_hook may be called only once per model{why}; build a new "
                 "DistributedDataParallel to use another hook, or combine both in one hook."
