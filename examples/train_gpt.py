@@ -28,6 +28,17 @@ from torch.utils.data import Subset
 import lockstep
 
 
+# --grad-reduce: (hook, state factory). bf16-mixed is what DDP's mixed_precision= installs
+# (torch's order: sum in bf16); bf16-fp32acc is what DDP's reduce_dtype=torch.bfloat16 installs.
+GRAD_REDUCE = {
+    "fp32": (lockstep.comm.uncompressed_hook, lockstep.CommState),
+    "bf16": (lockstep.comm.bf16_compress_hook, lockstep.CommState),
+    "bf16-mixed": (lockstep.comm.reduce_dtype_hook,
+                   lambda: lockstep.comm.ReduceDtypeState(reduce_dtype=torch.bfloat16)),
+    "bf16-fp32acc": (lockstep.comm.bf16_fp32_accumulate_hook, lockstep.CommState),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's flags; ``--help`` shows each with its default."""
     parser = argparse.ArgumentParser(
@@ -49,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sample-chars", type=int, default=200, help="characters to generate at the end")
     add("--device", default=None, help="e.g. cpu; None picks this worker's GPU, else the CPU")
     add("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    add("--grad-reduce", choices=sorted(GRAD_REDUCE), default="fp32",
+        help="how gradients are averaged over workers (docs/compression-and-local-sgd.md)")
     add("--out-dir", type=Path, default=Path("runs/demo"), help="where metrics.json and loss.png go")
     return parser
 
@@ -100,7 +113,12 @@ def build(rt: lockstep.Runtime, args: argparse.Namespace):
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts anyway)
     cfg = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.n_embd)
     model = rt.wrap(GPT(cfg))
-    return vocab, train_loader, val_loader, val_set, model
+    state = None
+    if isinstance(model, lockstep.DistributedDataParallel):  # (a world of one reduces nothing)
+        hook, make_state = GRAD_REDUCE[args.grad_reduce]
+        state = make_state()
+        model.register_comm_hook(state, hook)
+    return vocab, train_loader, val_loader, val_set, model, state
 
 
 def batches(loader):
@@ -113,7 +131,7 @@ def batches(loader):
 
 
 def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
-    vocab, train_loader, val_loader, val_set, model = build(rt, args)
+    vocab, train_loader, val_loader, val_set, model, comm = build(rt, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args))
     tokens_per_step = args.batch_size * args.block_size * rt.world_size
@@ -150,6 +168,7 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
     return {
         "history": history, "train_time": train_time, "tokens_per_step": tokens_per_step,
         "model": rt.unwrap(model), "vocab": vocab,
+        "grad_bytes_per_step": comm.counter.bytes_per_step() if comm is not None else 0.0,
     }
 
 
@@ -167,6 +186,8 @@ def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: f
         "train_time_s": round(result["train_time"], 2),
         "wall_time_s": round(wall, 2),
         "tokens_per_s": round(tokens / result["train_time"], 1),
+        "grad_reduce": args.grad_reduce,
+        "grad_bytes_per_step": result["grad_bytes_per_step"],
         "first_step_train_loss": history["train"][0][1],
         "final_train_loss": history["train"][-1][1],
         "initial_val_loss": history["val"][0][1],

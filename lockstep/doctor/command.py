@@ -34,6 +34,9 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         help="where profile.json, summary.json, timeline.png and trace.json go")
     add("--no-baseline", action="store_true",
         help="skip the 1-worker run: attribution only, no speedup account")
+    add("--dp-vs-ddp", action="store_true",
+        help="instead: the script is a .py file defining model_fn() and batch_fn(step); run it "
+             "under DataParallel and under DDP on --nproc-per-node devices and compare")
     add("training_script", help="the training script, unchanged")
     add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -113,6 +116,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"lockstep doctor: error: need --nproc-per-node >= 1 and --steps > --warmup >= 0 "
               f"(got {n}, {args.steps}, {args.warmup})", file=sys.stderr)
         return 2
+    if args.dp_vs_ddp:
+        return _run_dp_vs_ddp(args)
     out: Path = args.out_dir
     worlds = [n] if args.no_baseline or n == 1 else [1, n]
     profiles: dict[int, dict[str, Any]] = {}
@@ -147,6 +152,25 @@ def run_doctor(args: argparse.Namespace) -> int:
     write_trace(timeline(ranks), out / "trace.json", Path(args.training_script).name)
     print(f"wrote {out / 'profile.json'}, {out / 'summary.json'}, {out / 'timeline.png'} and "
           f"{out / 'trace.json'} (open it in ui.perfetto.dev)")
+    return 0
+
+
+def _run_dp_vs_ddp(args: argparse.Namespace) -> int:
+    """``--dp-vs-ddp``: the DataParallel section and the measured DDP saving."""
+    from lockstep.doctor.dp_vs_ddp import compare_dp_ddp, load_models_file
+
+    try:
+        functions = load_models_file(args.training_script)
+        # "spawn": each DDP worker is a new interpreter, which imports the file by its name.
+        result = compare_dp_ddp(devices=args.nproc_per_node, steps=args.steps - args.warmup,
+                                warmup=args.warmup, start_method="spawn", **functions)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"lockstep doctor: error: {err}", file=sys.stderr)
+        return 2
+    print(result.table())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "dp_vs_ddp.json").write_text(json.dumps(result.to_json(), indent=1))
+    print(f"wrote {args.out_dir / 'dp_vs_ddp.json'}")
     return 0
 
 

@@ -3,6 +3,8 @@
 Per step: ``scatter`` (splitting the batch), ``replicate`` (copying the model to every device),
 ``parallel_apply`` (the replicas' forwards, and each device's own time in ``devices``),
 ``gather`` (outputs or losses brought to the output device: device 0's extra work),
+``loss`` (the loss computed on the output device from the gathered outputs, when the training
+loop marks it with ``mark("loss")``: more of device 0's extra work; otherwise it is in ``other``),
 ``backward`` (all replicas' gradients flowing back into the module on device 0), ``optimizer``,
 and ``other`` (the rest of the step: data, the loss outside the wrapper). On CUDA the
 per-device times are the host's launch times (kernels run on asynchronously).
@@ -26,7 +28,8 @@ from torch.optim.optimizer import (
 
 __all__ = ["DP_PHASES", "DataParallelRecorder"]
 
-DP_PHASES = ("scatter", "replicate", "parallel_apply", "gather", "backward", "optimizer", "other")
+DP_PHASES = ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "optimizer",
+             "other")
 
 
 class DataParallelRecorder:
@@ -56,7 +59,11 @@ class DataParallelRecorder:
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        """The time since the previous mark was spent in ``phase``."""
+        """The time since the previous mark was spent in ``phase`` (one of :data:`DP_PHASES`).
+
+        The wrapper marks its four steps; a training loop may call ``mark("loss")`` right after
+        computing the loss from the gathered outputs, so device 0's loss is its own phase.
+        """
         now = time.perf_counter()
         self._cur[phase] += now - self._last
         self._last = now
