@@ -37,6 +37,9 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dp-vs-ddp", action="store_true",
         help="instead: the script is a .py file defining model_fn() and batch_fn(step); run it "
              "under DataParallel and under DDP on --nproc-per-node devices and compare")
+    add("--dp-threads", type=int, default=None, metavar="T",
+        help="with --dp-vs-ddp on CPU: threads in all; DataParallel's process gets T, each DDP "
+             "process T / N (default: one per device)")
     add("training_script", help="the training script, unchanged")
     add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -163,7 +166,8 @@ def _run_dp_vs_ddp(args: argparse.Namespace) -> int:
         functions = load_models_file(args.training_script)
         # "spawn": each DDP worker is a new interpreter, which imports the file by its name.
         result = compare_dp_ddp(devices=args.nproc_per_node, steps=args.steps - args.warmup,
-                                warmup=args.warmup, start_method="spawn", **functions)
+                                warmup=args.warmup, threads=args.dp_threads,
+                                start_method="spawn", **functions)
     except (FileNotFoundError, ValueError) as err:
         print(f"lockstep doctor: error: {err}", file=sys.stderr)
         return 2
