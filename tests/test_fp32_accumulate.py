@@ -64,6 +64,8 @@ def test_fp32_accumulation_does_not_drift_with_64_ranks(noise: float, ratio: flo
     # Measured (relative error of the mean, 4096 numbers):
     #   ranks agree (noise 0.1): ring 1.3e-2, fp32-accumulated 1.7e-3, one rounding 1.7e-3;
     #   noise = signal (1.0):    ring 7.6e-3, fp32-accumulated 1.7e-3, one rounding 1.7e-3.
+    two = relative_errors(2, noise)  # a bf16 sum of two bf16 numbers is one rounding anyway
+    assert two["ring_bf16"] == two["fp32_accumulated"]
     errors = relative_errors(RANKS, noise)
     assert errors["fp32_accumulated"] < 1.1 * errors["one_rounding"]
     assert errors["ring_bf16"] > ratio * errors["fp32_accumulated"]
@@ -167,11 +169,35 @@ def _hook_and_ddp(rank: int) -> dict:
     out["grad_dtypes"] = {g.dtype for g in grads}
     flat = torch.cat([g.reshape(-1) for g in grads])
     out["same_on_all_ranks"] = all(torch.equal(c, flat) for c in _gather(flat))
+    out["sparse"] = _sparse_embedding(rank, world)
     try:
         ddp.register_comm_hook(None, bf16_compress_hook)
     except RuntimeError as exc:
         out["second_hook"] = str(exc)
     return out
+
+
+class _Bag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))
+
+
+def _sparse_embedding(rank: int, world: int) -> float:
+    """A sparse embedding's bucket is averaged uncompressed; the dense one in bf16 (largest
+    error relative to the full-batch gradients)."""
+    ids = torch.randint(0, 10, (2 * world, 3), generator=torch.Generator().manual_seed(3))
+    reference = _Bag()
+    reference(ids).square().mean().backward()
+    ddp = lockstep.DistributedDataParallel(_Bag(), reduce_dtype=torch.bfloat16)
+    ddp(ids[2 * rank : 2 * (rank + 1)]).square().mean().backward()
+    grads = [g.to_dense() for g in _grads(ddp)]
+    return _worst(grads, [g.to_dense() for g in _grads(reference)])
 
 
 def _check(results: list[dict]) -> None:
@@ -183,6 +209,7 @@ def _check(results: list[dict]) -> None:
         assert out["ddp_vs_reference"] < 1e-2  # bf16: 8 significant bits
         assert out["ddp_vs_torch"] < 1e-2
         assert out["grad_dtypes"] == {torch.float32}
+        assert out["sparse"] < 1e-2
         assert out["same_on_all_ranks"]
         assert "reduce_dtype installed lockstep.comm.fp32_accumulate_hook" in out["second_hook"]
 

@@ -116,6 +116,9 @@ def fp32_accumulate_hook(state: Any, bucket: GradBucket) -> torch.futures.Future
     as for :func:`~lockstep.comm.bf16_compress_hook`: the all-to-all and the all-gather
     together move what one ring all-reduce of it moves.
 
+    A sparse gradient (``nn.Embedding(sparse=True)``) is averaged uncompressed, as DDP's
+    default hook does, and not counted.
+
     Args:
         state: a :class:`FP32AccumulateState`; a :class:`~lockstep.comm.CommState`, a process
             group or ``None`` send bf16.
@@ -147,6 +150,10 @@ def _reduce(
     bucket: GradBucket, group: dist.ProcessGroup, counter: ByteCounter | None, wire_dtype: torch.dtype
 ) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
+    if buffer.is_sparse:  # a sparse embedding's bucket: its rows differ by rank, nothing to split
+        from lockstep.ddp.comm_hooks import allreduce_hook
+
+        return allreduce_hook(group, bucket)
     world = dist.get_world_size(group)
     n = buffer.numel()
     chunk = -(-n // world)  # ceil: the last chunk is padded with zeros
