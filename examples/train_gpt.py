@@ -27,7 +27,6 @@ from torch.utils.data import Subset
 
 import lockstep
 
-
 # --grad-reduce: (hook, state factory). bf16-mixed is what DDP's mixed_precision= installs
 # (torch's order: sum in bf16); bf16-fp32acc is what DDP's reduce_dtype=torch.bfloat16 installs.
 GRAD_REDUCE = {
