@@ -170,6 +170,7 @@ def _hook_and_ddp(rank: int) -> dict:
     flat = torch.cat([g.reshape(-1) for g in grads])
     out["same_on_all_ranks"] = all(torch.equal(c, flat) for c in _gather(flat))
     out["sparse"] = _sparse_embedding(rank, world)
+    out["join"] = _uneven_inputs(rank, world)
     try:
         ddp.register_comm_hook(None, bf16_compress_hook)
     except RuntimeError as exc:
@@ -200,6 +201,35 @@ def _sparse_embedding(rank: int, world: int) -> float:
     return _worst(grads, [g.to_dense() for g in _grads(reference)])
 
 
+def _uneven_inputs(rank: int, world: int) -> float:
+    """join(): ranks with fewer batches shadow the hook's all-to-all and all-gather. Returns the
+    largest parameter error against a one-process run averaging the active ranks' shards."""
+    batches = [3, 1, 2][:world]  # rank 1 runs out first
+
+    def data(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(10 * step + r)
+        return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+
+    ddp = lockstep.DistributedDataParallel(_net(), reduce_dtype=torch.bfloat16)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join(divide_by_initial_world_size=False):
+        for step in range(batches[rank]):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(data(step, rank)[0]), data(step, rank)[1]).backward()
+            opt.step()
+    reference = _net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(max(batches)):
+        active = [r for r in range(world) if step < batches[r]]
+        ref_opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(reference(data(step, r)[0]), data(step, r)[1])
+                  for r in active]
+        torch.stack(losses).mean().backward()
+        ref_opt.step()
+    return max((a - b).abs().max().item()
+               for a, b in zip(ddp.module.parameters(), reference.parameters()))
+
+
 def _check(results: list[dict]) -> None:
     for out in results:
         for name in ("generic", "bf16", "bare_group"):
@@ -210,6 +240,7 @@ def _check(results: list[dict]) -> None:
         assert out["ddp_vs_torch"] < 1e-2
         assert out["grad_dtypes"] == {torch.float32}
         assert out["sparse"] < 1e-2
+        assert out["join"] < 1e-3
         assert out["same_on_all_ranks"]
         assert "reduce_dtype installed lockstep.comm.fp32_accumulate_hook" in out["second_hook"]
 
