@@ -57,6 +57,8 @@ def test_dp_vs_ddp_saving_and_verdict():
 def test_compare_checks_its_arguments():
     with pytest.raises(ValueError, match="devices >= 2"):
         compare_dp_ddp(model_fn, batch_fn, devices=1)
+    with pytest.raises(ValueError, match="threads=0"):
+        compare_dp_ddp(model_fn, batch_fn, devices=2, threads=0)
     with pytest.raises(ValueError, match="batch of 8, which does not split evenly over 3"):
         compare_dp_ddp(model_fn, batch_fn, devices=3, device_type="cpu")
 

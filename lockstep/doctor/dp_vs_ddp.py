@@ -78,17 +78,18 @@ def compare_dp_ddp(
         The measured :class:`~lockstep.doctor.dp_report.DPvsDDP`; ``print(result.table())``.
 
     Raises:
-        ValueError: fewer than 2 devices, ``steps < 1``, ``warmup < 0``, too few GPUs, or a
-            batch that does not divide evenly.
+        ValueError: fewer than 2 devices, ``steps < 1``, ``warmup < 0``, ``threads < 1``, too
+            few GPUs, or a batch that does not divide evenly.
 
     Example::
 
         result = lockstep.doctor.compare_dp_ddp(make_model, make_batch, devices=2, steps=10)
         print(result.table())     # DataParallel's shares, DDP's step, the saving
     """
-    if devices < 2 or steps < 1 or warmup < 0:
-        raise ValueError(f"compare_dp_ddp: need devices >= 2, steps >= 1 and warmup >= 0, got "
-                         f"devices={devices}, steps={steps}, warmup={warmup}")
+    if devices < 2 or steps < 1 or warmup < 0 or (threads is not None and threads < 1):
+        raise ValueError(f"compare_dp_ddp: need devices >= 2, steps >= 1, warmup >= 0 and "
+                         f"threads >= 1, got devices={devices}, steps={steps}, warmup={warmup}, "
+                         f"threads={threads}")
     kind = device_type or ("cuda" if torch.cuda.is_available()
                            and torch.cuda.device_count() >= devices else "cpu")
     if kind == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < devices):
