@@ -90,14 +90,12 @@ def main() -> None:
     for w, link in links.items():
         print(f"measured at world {w}: alpha {link.alpha * 1e6:.1f} us, "
               f"beta {link.beta / 1e9:.3f} GB/s", flush=True)
-    print("\n| model | world | link | measured step ms | predicted (doctor profile) | error "
-          "| predicted (planner profile) | error | measured exposed ms | predicted exposed ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | world | link | measured step ms | predicted ms | error "
+          "| measured exposed ms | predicted exposed ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
         build, batch, loss = CASES[name]
         doctor = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH)
-        timed = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH,
-                               source="planner")
         for world in args.worlds:
             variants = [("measured", links[world], None)]
             if args.throttle:
@@ -106,14 +104,12 @@ def main() -> None:
                                  throttled_link(links[world], bw), bw))
             for label, link, throttle in variants:
                 pred = predict_ddp(doctor, link, world)
-                pred2 = predict_ddp(timed, link, world)
                 got = measure_ddp(build, batch, loss, world, steps=args.steps, throttle=throttle)
                 ms = got["step_s"]
                 print(f"| {name} | {world} | {label} | {ms * 1e3:.1f} "
                       f"| {pred.step_s * 1e3:.1f} | {(pred.step_s / ms - 1) * 100:+.0f}% "
-                      f"| {pred2.step_s * 1e3:.1f} | {(pred2.step_s / ms - 1) * 100:+.0f}% "
-                      f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} / "
-                      f"{pred2.exposed_comm_s * 1e3:.1f} |", flush=True)
+                      f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

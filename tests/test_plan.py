@@ -267,23 +267,42 @@ def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, 
     assert doc["topology"]["inter"]["name"] == "eth10"
 
 
-def test_planner_profiler_times_gradients_into_buckets(tmp_path):
+def _world1_profile_worker(rank):
     import torch
     from torch import nn
 
-    from lockstep.plan.profiler import profile_model
+    import lockstep
+    from lockstep.doctor.api import gather_report
 
+    lockstep.init_distributed()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    model = lockstep.DistributedDataParallel(
+        nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64)), bucket_cap_mb=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = (torch.randn(8, 64), torch.randn(8, 64))
-    doc = profile_model(model, batch, torch.nn.functional.mse_loss, opt, steps=2, warmup=1,
-                        bucket_cap_mb=0.1, batch_size=8)
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    recorder = model.enable_profiling(warmup=1)
+    for _ in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return gather_report(recorder)
+
+
+def test_doctor_profile_at_world_one_gives_the_buckets_ddp_would_send(tmp_path):
+    """A world of one has no reducer, yet its profile lists DDP's buckets with ready times."""
+    from lockstep.multiproc import spawn
+
+    doc = spawn(_world1_profile_worker, 1, (), timeout=120)[0]
+    assert doc["world_size"] == 1
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
     w = load_profile(path)
-    assert w.parameters == sum(p.numel() for p in model.parameters()) and w.batch_size == 8
+    assert w.parameters == 64 * 512 + 512 + 512 * 64 + 64 and w.batch_size == 8
+    assert not w.notes  # measured buckets, not the synthetic fallback
     ready = [b["ready"] for b in doc["buckets"]]
     assert len(ready) > 1 and ready == sorted(ready)  # launch order = arrival order
+    assert all(0 < r <= doc["phases"]["backward"] * 1.5 for r in ready)
     assert doc["buckets"][0]["params"][0] == "2.bias"  # the last layer's gradients come first
+    assert doc["buckets"][-1]["last_param"] in ("0.weight", "0.bias")
     assert sum(b["bytes"] for b in doc["buckets"]) == w.grad_bytes
+    assert all(b["allreduce"] == 0 and b["exposed"] == 0 for b in doc["buckets"])  # nothing sent

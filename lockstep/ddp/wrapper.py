@@ -35,6 +35,7 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
+from lockstep.doctor.arrivals import GradientArrivals
 from lockstep.doctor.env import settings_from_env
 from lockstep.doctor.recorder import Recorder
 from lockstep.doctor.records import StepTiming
@@ -163,6 +164,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._clock: Recorder | None = None
         self._profile_hooks: list[Any] = []
+        self._arrivals: GradientArrivals | None = None
         self._uneven: UnevenInputs | None = None  # lockstep's join()
         self._torch_join: UnevenInputs | None = None  # torch's Join([...]), through join_hook
         self._hook_registered = False
@@ -493,7 +495,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._clock.close()
             for handle in self._profile_hooks:
                 handle.remove()
-        self._clock, self._profile_hooks = None, []
+        if self._arrivals is not None:
+            self._arrivals.remove()
+        self._clock, self._profile_hooks, self._arrivals = None, [], None
         if enabled:
             params = [p for p in self.module.parameters() if p.requires_grad]
             group = self.process_group if self.world_size > 1 else None
@@ -503,6 +507,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
             self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
                                    self.register_forward_hook(self._profile_forward_post)]
+            if self._reducer is None and self._trainable_names:
+                # A world of one: the profile still gives the buckets DDP would send, with the
+                # moment each would be ready (what `lockstep plan` predicts larger worlds from).
+                named = dict(self.module.named_parameters())
+                self._arrivals = GradientArrivals(
+                    [named[n] for n in self._trainable_names], self._trainable_names,
+                    self._bucket_cap_bytes, self._clock)
         if self._reducer is not None:
             self._reducer.clock = self._clock
         return self._clock
@@ -524,7 +535,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _bucket_layout(self) -> list[dict[str, Any]]:
         reducer = self._reducer
         if reducer is None:
-            return []
+            return self._arrivals.layout() if self._arrivals is not None else []
         return [{"index": b.index, "bytes": b.nbytes,
                  "params": [reducer.names[i] for i in b.param_indices]} for b in reducer.buckets]
 
@@ -538,7 +549,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         state = dict(self.__dict__)
         for key in ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
-                    "_torch_join", "_clock", "_profile_hooks"):
+                    "_torch_join", "_clock", "_profile_hooks", "_arrivals"):
             state.pop(key, None)
         # A copy starts with the default reduction (the hook's state may hold a group).
         state["_hook_registered"] = False
@@ -553,7 +564,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self.process_group = dist.group.WORLD
         self.device_mesh = None
-        self._uneven = self._torch_join = self._clock = None
+        self._uneven = self._torch_join = self._clock = self._arrivals = None
         self._profile_hooks = []
         Joinable.__init__(self)
         self._connect()

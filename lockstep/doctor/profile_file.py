@@ -170,7 +170,7 @@ def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for r, rows in zip(ranks, matrix)
     ]
     everything = [row for rows in matrix for row in rows]
-    buckets = bucket_stats(ranks, critical) if first["world_size"] > 1 else []
+    buckets = bucket_stats(ranks, critical)
     profile: dict[str, Any] = {
         "format": "lockstep-profile", "version": 1, "world_size": first["world_size"],
         "backend": first["backend"], "device": first["device"], "torch": first["torch"],

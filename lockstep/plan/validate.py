@@ -66,15 +66,8 @@ def throttled_link(link: Link, bandwidth: float) -> Link:
 
 
 def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
-                    steps: int, batch_size: int | None, source: str) -> dict:
+                    steps: int, batch_size: int | None) -> dict:
     torch.manual_seed(0)
-    if source == "planner":
-        from lockstep.plan.profiler import profile_model
-
-        model = build()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        return profile_model(model, make_batch(), loss_fn, opt, steps=steps, warmup=3,
-                             batch_size=batch_size)
     import lockstep
     from lockstep.doctor.api import gather_report
 
@@ -92,20 +85,17 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
 
 def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, steps: int = 10,
                    batch_size: int | None = None, path: str | None = None,
-                   source: str = "doctor", timeout: float = 300.0) -> dict:
+                   timeout: float = 300.0) -> dict:
     """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
 
-    ``source="doctor"`` records it with ``lockstep.profile``'s recorder (the doctor's);
-    ``"planner"`` with :func:`lockstep.plan.profiler.profile_model`, which also times when each
-    gradient arrives, so the buckets carry measured ready times.
+    It is the doctor's profile (``enable_profiling``): at a world of one it lists the buckets
+    DDP would send and when each would be ready (:mod:`lockstep.doctor.arrivals`).
     """
     import json
 
     from lockstep.multiproc import spawn
 
-    if source not in ("doctor", "planner"):
-        raise ValueError(f"profile source must be 'doctor' or 'planner', got {source!r}")
-    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size, source),
+    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size),
                 timeout=timeout)[0]
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:

@@ -1,0 +1,83 @@
+"""When each gradient arrives at a world of one, grouped into the buckets DDP would reduce.
+
+A world of one has no reducer (there is nothing to communicate), yet its profile is what
+``lockstep plan`` predicts larger worlds from, and the planner needs to know how early in
+backward each bucket would be ready to send. :class:`GradientArrivals` watches the same event
+the reducer does (a parameter's gradient accumulated), fixes the bucket layout from the first
+backward's arrival order with the reducer's own rule (:func:`lockstep.ddp.bucket.assign_buckets`),
+and from then on tells the recorder when each bucket's last gradient arrives. Nothing is sent.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from lockstep.ddp.bucket import BucketSpec, assign_buckets
+from lockstep.doctor.recorder import Recorder
+
+__all__ = ["GradientArrivals"]
+
+
+class GradientArrivals:
+    """Bucket-ready marks for a model that has no reducer.
+
+    Args:
+        params: the trainable parameters, in the model's order.
+        names: their names (the profile names the last gradient of each bucket).
+        cap_bytes: the bucket cap DDP would use (``bucket_cap_mb`` in bytes).
+        recorder: receives :meth:`~lockstep.doctor.recorder.Recorder.bucket_ready` marks.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int,
+                 recorder: Recorder) -> None:
+        if len(params) != len(names):
+            raise ValueError(f"GradientArrivals: {len(params)} parameters but {len(names)} names")
+        self.names = list(names)
+        self._specs = [BucketSpec.of(p) for p in params]
+        self._cap = cap_bytes
+        self._recorder = recorder
+        self._arrived: list[int] = []  # this backward's arrivals, in order
+        self._buckets: list[list[int]] = []  # empty until the first backward has been seen
+        self._bucket_of: dict[int, int] = {}
+        self._left: list[int] = []
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                         for i, p in enumerate(params)]
+
+    def layout(self) -> list[dict[str, Any]]:
+        """The buckets as the recorder lists them: index, bytes and parameter names."""
+        return [{"index": b, "bytes": sum(self._specs[i].numel * self._specs[i].element_size
+                                          for i in members),
+                 "params": [self.names[i] for i in members]}
+                for b, members in enumerate(self._buckets)]
+
+    def remove(self) -> None:
+        """Stop watching gradients."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_grad(self, index: int, _param: torch.Tensor) -> None:
+        if not self._arrived:
+            Variable._execution_engine.queue_callback(self._backward_done)
+            self._left = [len(members) for members in self._buckets]
+        self._arrived.append(index)
+        bucket = self._bucket_of.get(index)
+        if bucket is None:
+            return
+        self._left[bucket] -= 1
+        if self._left[bucket] == 0:
+            self._recorder.bucket_ready(bucket, self.names[index])
+
+    def _backward_done(self) -> None:
+        if not self._buckets:  # the first backward fixes the layout, as the reducer's rebuild
+            seen = set(self._arrived)
+            order = list(dict.fromkeys(self._arrived))
+            order += [i for i in reversed(range(len(self._specs))) if i not in seen]
+            self._buckets = assign_buckets(self._specs, order, self._cap)
+            self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        self._arrived = []
