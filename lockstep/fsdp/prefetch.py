@@ -91,7 +91,7 @@ class Prefetcher:
 def _units(module: nn.Module) -> list[_Unit]:
     from lockstep.fsdp.unit import get_unit  # the unit imports this module
 
-    units = [u for m in module.modules() if (u := get_unit(m)) is not None]
+    units: list[_Unit] = [u for m in module.modules() if (u := get_unit(m)) is not None]
     if not units:
         raise ValueError(f"{type(module).__name__} has no fully sharded module; call lockstep.fully_shard first")
     return units
