@@ -75,15 +75,22 @@ def test_sharded_checkpoint_of_one_process_loads_into_a_plain_model(tmp_path):
 # -- multi-rank ---------------------------------------------------------------------------------
 
 
-def _build(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = _shard(_model())
+def _build(rank: int, **shard_kwargs: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _shard(_model(), **shard_kwargs)
     return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+
+
+def _hybrid_pair(rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """2 x 2: shard inside {0, 1} and {2, 3}, replicate across {0, 2} and {1, 3}."""
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return replicate_groups[rank % 2], shard_groups[rank // 2]
 
 
 def save_worker(rank: int, root: str) -> dict[str, torch.Tensor]:
     lockstep.init_distributed()
     size = dist.get_world_size()
-    model, opt = _build(rank)
+    model, opt = _build(rank, **({"group": _hybrid_pair(rank)} if size == 4 else {}))
     _steps(model, opt, 0, SAVE_AT, rank, size)
     for form, full in FORMS.items():
         lockstep.Checkpointer(f"{root}/{form}").save(
@@ -92,7 +99,7 @@ def save_worker(rank: int, root: str) -> dict[str, torch.Tensor]:
     return full_state_dict(model)
 
 
-def resume_worker(rank: int, root: str) -> dict[str, Any]:
+def resume_worker(rank: int, root: str, saved_world: int = 2) -> dict[str, Any]:
     lockstep.init_distributed()
     size = dist.get_world_size()
     out: dict[str, Any] = {}
@@ -100,7 +107,7 @@ def resume_worker(rank: int, root: str) -> dict[str, Any]:
         model, opt = _build(rank)
         restored = lockstep.Checkpointer(f"{root}/{form}").restore(
             model=ModelState(model), optimizer=OptimizerState(model, opt))
-        assert restored is not None and restored.step == SAVE_AT and restored.world_size == 2
+        assert restored is not None and restored.step == SAVE_AT and restored.world_size == saved_world
         _steps(model, opt, SAVE_AT, STEPS, rank, size)
         out[form] = full_state_dict(model)
     return out
@@ -131,3 +138,13 @@ def test_checkpoints_resume_bitwise_and_at_other_world_sizes(tmp_path):
         assert plain_opt.state[plain.blocks[0].up.weight]["exp_avg"].shape == (21, 10)
         _steps(plain, plain_opt, SAVE_AT, STEPS, 0, 1)
         assert _diff(plain.state_dict(), ref) < TOL, form
+
+
+@pytest.mark.multirank
+def test_hybrid_checkpoint_restores_fully_sharded_at_world_two(tmp_path):
+    root = str(tmp_path)
+    ref = _reference()
+    assert _diff(lockstep.spawn(save_worker, 4, (root,), timeout=90)[0], ref) < TOL
+    for out in lockstep.spawn(resume_worker, 2, (root, 4), timeout=90):  # 2 x 2 -> 2
+        for form in FORMS:
+            assert _diff(out[form], ref) < TOL, form

@@ -126,6 +126,13 @@ class FSDPUnit:
         self._gathering = (pending, out, local)
         self.emit("gather-issued")
 
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters this unit holds now, a prefetched gather in flight included."""
+        held = sum(s.full.untyped_storage().nbytes() for s in self.flat.slots)
+        if self._gathering is not None:
+            held += self._gathering[1].untyped_storage().nbytes()
+        return held
+
     def drop_gather(self) -> None:
         """Finish an all-gather nobody used and discard its result."""
         if self._gathering is not None:
