@@ -72,6 +72,27 @@ def test_sharded_checkpoint_of_one_process_loads_into_a_plain_model(tmp_path):
         ckpt.restore(model=_model())
 
 
+@pytest.mark.filterwarnings("ignore:skipping damaged checkpoint")
+def test_damaged_shard_file_is_skipped_and_other_models_are_refused(tmp_path):
+    model = _shard(_model())
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ckpt = lockstep.Checkpointer(tmp_path)
+    for step in (1, 2):
+        _steps(model, opt, step - 1, step, 0, 1)
+        ckpt.save(step, model=ModelState(model), optimizer=OptimizerState(model, opt))
+    shard = tmp_path / "step_000000000002" / "shard-rank00000.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])  # cut short: the checksum catches it
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
+        restored = ckpt.restore(model=ModelState(_shard(_model())))
+    assert restored is not None and restored.step == 1
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with pytest.raises(lockstep.CheckpointError, match=r"missing: \['0.bias', '0.weight'\]"):
+        lockstep.Checkpointer(tmp_path).restore(model=ModelState(other))
+    fewer = torch.optim.AdamW([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}])
+    with pytest.raises(lockstep.CheckpointError, match="parameter groups of sizes"):
+        lockstep.Checkpointer(tmp_path).restore(optimizer=OptimizerState(model, fewer))
+
+
 # -- multi-rank ---------------------------------------------------------------------------------
 
 
@@ -122,6 +143,8 @@ def test_checkpoints_resume_bitwise_and_at_other_world_sizes(tmp_path):
     files = sorted(p.name for p in (tmp_path / "sharded" / "step_000000000002").iterdir())
     assert files == ["rng-rank00000.pt", "rng-rank00001.pt", "shard-rank00000.pt",
                      "shard-rank00001.pt", "state.pt"]
+    files = sorted(p.name for p in (tmp_path / "full" / "step_000000000002").iterdir())
+    assert files == ["rng-rank00000.pt", "rng-rank00001.pt", "state.pt"]  # consolidated on rank 0
     for out in lockstep.spawn(resume_worker, 2, (root,), timeout=90):  # same world: bitwise
         for form in FORMS:
             assert all(torch.equal(out[form][k], uninterrupted[k]) for k in ref), form
