@@ -195,9 +195,16 @@ class ModelState:
         """Gather the unsharded state dict onto rank ``to`` (every rank must call it)."""
         if not self.full:
             return
-        full = {id(e.param): _gather(e, e.param) for e in _layout(self.model).values()}
-        state = {k: full.get(id(v), v).detach().clone() for k, v in self.model.state_dict(keep_vars=True).items()}
-        self._consolidated = state if _global_rank() == to else None
+        keep = _global_rank() == to
+        full = {}
+        for entry in _layout(self.model).values():
+            value = _gather(entry, entry.param)  # a collective on every rank; only ``to`` keeps it
+            if keep:
+                full[id(entry.param)] = value
+        self._consolidated = None
+        if keep:
+            current = self.model.state_dict(keep_vars=True)
+            self._consolidated = {k: full.get(id(v), v).detach().clone() for k, v in current.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict consolidated last (as a plain model's ``state_dict()``)."""
@@ -309,15 +316,17 @@ class OptimizerState:
             return
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
-        state = {}
+        keep = _global_rank() == to
+        state: dict[int, dict[str, Any]] = {}
         for position, per_param in saved["state"].items():
             entry = layout[fqns[position]]
-            state[position] = {
-                key: _gather(entry, value) if _per_element(value, entry.param.shape, key)
-                else (value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value)
-                for key, value in sorted(per_param.items())  # same order on every rank
-            }
-        keep = _global_rank() == to
+            for key, value in sorted(per_param.items()):  # the same collectives on every rank
+                if _per_element(value, entry.param.shape, key):
+                    value = _gather(entry, value)
+                elif isinstance(value, torch.Tensor):
+                    value = value.detach().to("cpu", copy=True)
+                if keep:
+                    state.setdefault(position, {})[key] = value
         self._consolidated = {"state": state, "param_groups": saved["param_groups"]} if keep else None
 
     def state_dict(self) -> dict[str, Any]:
