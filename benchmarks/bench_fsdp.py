@@ -8,7 +8,8 @@ Usage::
 For each world size one set of processes trains the same transformer (bench_zero's TinyGPT)
 four ways: ``ddp`` (lockstep.DistributedDataParallel), ``zero1`` (DDP +
 ZeroRedundancyOptimizer), ``zero2`` (ZeroRedundancyOptimizer(reduce_gradients=True)) and
-``fsdp`` (lockstep.fully_shard per block, then the root). For the heaviest rank it reports the
+``fsdp`` (lockstep.fully_shard per block, then the root; ``fsdp_no_prefetch`` the same with
+prefetching off). For the heaviest rank it reports the
 bytes of parameters, gradients and optimizer state held after a step, against the ZeRO paper's
 formulas written for fp32 AdamW (4 bytes of parameter, 4 of gradient, 8 of state per element:
 DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, full sharding 16Ψ/N; the paper's mixed-precision
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lockstep
+from lockstep.fsdp import set_prefetch
 from lockstep.fsdp.unit import get_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,12 +53,13 @@ _PRICED = {
     "reduce_scatter_tensor": (1, 1),
     "reduce_scatter": (1, 1),
 }
-VARIANTS = ("ddp", "zero1", "zero2", "fsdp")
+VARIANTS = ("ddp", "zero1", "zero2", "fsdp", "fsdp_no_prefetch")
 FORMULA = {  # bytes per element of the model, for world N (fp32 AdamW)
     "ddp": lambda n: 16.0,
     "zero1": lambda n: 8 + 8 / n,
     "zero2": lambda n: 4 + 12 / n,
     "fsdp": lambda n: 16 / n,
+    "fsdp_no_prefetch": lambda n: 16 / n,
 }
 
 
@@ -111,13 +114,14 @@ def _build(variant: str, args: argparse.Namespace) -> tuple[nn.Module, torch.opt
     units: list[nn.Module] = [*model.blocks.layers, model]  # type: ignore[union-attr, misc]
     for unit in units:
         lockstep.fully_shard(unit)
+    set_prefetch(model, variant == "fsdp")
 
     def sample(*_: Any) -> None:  # after a unit gathered: what is gathered now, all units
         live = 0
         for module in units:
             unit = get_unit(module)
             assert unit is not None
-            live += sum(s.full.untyped_storage().nbytes() for s in unit.flat.slots)
+            live += unit.gathered_bytes()
         gathered[0] = max(gathered[0], live)
 
     for unit in units:

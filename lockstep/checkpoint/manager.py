@@ -6,6 +6,7 @@ Layout of ``directory``::
         state.pt                models, optimizers, schedulers, scalers, samplers, step, extra
         rng-rank00000.pt        each rank's random generator states
         rng-rank00001.pt
+        shard-rank00000.pt      each rank's pieces of sharded objects (lockstep.fsdp), if any
     .staging-step_000000001300/ a save in progress (or one cut short: never restored)
     .damaged-step_000000000900/ a checkpoint found damaged when pruning, set aside
 
@@ -41,6 +42,7 @@ from lockstep.checkpoint.io import (
     write_atomic,
 )
 from lockstep.checkpoint.meeting import check_agreement, meet
+from lockstep.checkpoint.sharded import SavedPieces, ShardFiles, saves_sharded, shard_file
 from lockstep.checkpoint.state import (
     apply_state,
     capture_rng,
@@ -62,6 +64,12 @@ def _dir_name(step: int) -> str:
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
+
+
+def _files(world: int, sharded: bool) -> list[str]:
+    """Every file of a checkpoint written by ``world`` ranks (with shard files if ``sharded``)."""
+    ranks = range(world)
+    return [_STATE_FILE, *map(_rng_file, ranks), *(map(shard_file, ranks) if sharded else ())]
 
 
 @dataclass(frozen=True)
@@ -138,8 +146,8 @@ class Checkpointer:
         self.process_group = process_group
         self.timeout = timedelta(seconds=timeout)
         self._calls = 0
-        # Checkpoint -> its world size, for those written or verified by this object.
-        self._known_intact: dict[Path, int] = {}
+        # Checkpoint -> its files, for those written or verified by this object.
+        self._known_intact: dict[Path, list[str]] = {}
 
     def _meet(self, call: str) -> None:
         """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
@@ -221,7 +229,8 @@ class Checkpointer:
             step: the step to resume at (typically the number of optimizer steps done).
             epoch: the current epoch, given back by :meth:`restore`.
             extra: your own plain values (numbers, strings, tensors, lists, dicts).
-            **objects: name -> object with ``state_dict()``, e.g. ``model=model``.
+            **objects: name -> object with ``state_dict()``, e.g. ``model=model``; one with
+                ``sharded_state_dict()`` is written one piece per rank (see ``sharded``).
 
         Returns:
             The directory of the new checkpoint.
@@ -244,10 +253,18 @@ class Checkpointer:
             if callable(consolidate):
                 consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
+        sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
+
         def write() -> None:
             if rank == 0:
-                meta = {"format": _FORMAT, "step": step, "epoch": int(epoch), "world_size": world}
-                self._write_state(staging, meta, dict(extra or {}), objects)
+                meta = {"format": _FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
+                        "sharded": sharded}
+                whole = {n: o for n, o in objects.items() if n not in sharded}
+                self._write_state(staging, meta, dict(extra or {}), whole)
+            if sharded:
+                pieces = {name: objects[name].sharded_state_dict() for name in sharded}
+                check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
+                write_atomic(staging / shard_file(rank), encode(pieces))
             write_atomic(staging / _rng_file(rank), encode(capture_rng()))
 
         def drop_staging() -> None:
@@ -255,7 +272,8 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
 
         self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        error = self._attempt(lambda: self._publish(staging, final, world))[1] if rank == 0 else None
+        files = _files(world, bool(sharded))
+        error = self._attempt(lambda: self._publish(staging, final, files))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:
             logger.info("saved checkpoint %s", final)
@@ -287,7 +305,7 @@ class Checkpointer:
             check_loadable(state, f"{name}.state_dict()")
         write_atomic(staging / _STATE_FILE, encode(payload))
 
-    def _publish(self, staging: Path, final: Path, world: int) -> None:
+    def _publish(self, staging: Path, final: Path, files: list[str]) -> None:
         fsync_dir(staging)
         if final.exists():
             # Re-saving a step (its earlier copy was damaged): move it aside, never overwrite.
@@ -298,7 +316,7 @@ class Checkpointer:
         else:
             os.replace(staging, final)
         fsync_dir(self.directory)
-        self._known_intact[final] = world
+        self._known_intact[final] = files
         self._prune(final)
 
     def _prune(self, newest: Path) -> None:
@@ -326,11 +344,11 @@ class Checkpointer:
         wrote or already verified gets a cheap check instead: every file present, none truncated.
         """
         try:
-            world = self._known_intact.get(path)
-            if world is None:
+            files = self._known_intact.get(path)
+            if files is None:
                 self._verify(path)
             else:
-                for name in [_STATE_FILE, *(_rng_file(rank) for rank in range(world))]:
+                for name in files:
                     check_length(path / name)
         except CheckpointError:
             self._known_intact.pop(path, None)
@@ -371,9 +389,10 @@ class Checkpointer:
         world = meta.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{path / _STATE_FILE} records no valid world_size ({world!r})")
-        for rank in range(world):
-            read_verified(path / _rng_file(rank))
-        self._known_intact[path] = world
+        files = _files(world, bool(meta.get("sharded")))
+        for name in files[1:]:
+            read_verified(path / name)
+        self._known_intact[path] = files
         return state
 
     def latest(self) -> Path | None:
@@ -433,14 +452,25 @@ class Checkpointer:
     ) -> Restored:
         state = state if state is not None else read_verified(path / _STATE_FILE)
         saved, meta = state["objects"], state["meta"]
-        absent = sorted(set(objects) - set(saved))
+        sharded = set(meta.get("sharded", ()))
+        absent = sorted(set(objects) - set(saved) - sharded)
         if absent:
             raise CheckpointError(
-                f"{path} has no {', '.join(map(repr, absent))}; it holds {sorted(saved)}. "
+                f"{path} has no {', '.join(map(repr, absent))}; it holds {sorted({*saved, *sharded})}. "
                 "Pass the names used when saving."
             )
+        files = ShardFiles(path, meta["world_size"])
         for name, obj in objects.items():
-            apply_state(name, obj, saved[name], str(path / _STATE_FILE))
+            if name not in sharded:
+                apply_state(name, obj, saved[name], str(path / _STATE_FILE))
+            elif callable(getattr(obj, "load_sharded_state_dict", None)):
+                obj.load_sharded_state_dict(SavedPieces(files, name))
+            else:
+                raise CheckpointError(
+                    f"{path} holds {name!r} sharded (one piece per rank); a "
+                    f"{type(obj).__name__} cannot load that. Pass lockstep.fsdp.ModelState(model) "
+                    "or OptimizerState(model, optimizer), which load it into a sharded or plain model."
+                )
         if rank < meta["world_size"]:
             restore_rng(read_verified(path / _rng_file(rank)))
         else:

@@ -1,7 +1,8 @@
 """Fully sharded data parallelism (ZeRO-3) and hybrid sharding.
 
 ``flat_param`` lays a unit's parameters out as 1/N shards and gathers them back, ``unit`` holds
-the forward/backward hooks that gather, free and reduce-scatter, ``collectives`` is the one home
+the forward/backward hooks that gather, free and reduce-scatter, ``prefetch`` starts the next
+unit's gather early, ``checkpoint`` saves and restores through the Checkpointer, ``collectives`` is the one home
 of the collectives gloo may lack, ``mixed_precision`` the policy, and ``api`` ties them into
 :func:`lockstep.fully_shard`. Papers: Rajbhandari et al., "ZeRO" (2020, stage 3); Zhao et al.,
 "PyTorch FSDP" (2023).
@@ -14,13 +15,19 @@ from lockstep.fsdp.api import (
     no_sync,
     set_requires_gradient_sync,
 )
+from lockstep.fsdp.checkpoint import ModelState, OptimizerState
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+from lockstep.fsdp.prefetch import record_events, set_prefetch
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "ModelState",
+    "OptimizerState",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
     "no_sync",
+    "record_events",
+    "set_prefetch",
     "set_requires_gradient_sync",
 ]

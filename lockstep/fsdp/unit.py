@@ -3,7 +3,8 @@
 Forward: the unit's pre-forward hook all-gathers its parameters and registers the full tensors
 on its modules; the post-forward hook frees them again (``reshard_after_forward``) and hooks the
 outputs, so that the first gradient reaching an output gathers them once more before the unit's
-own backward runs. Backward: each full parameter's post-accumulate-grad hook counts the
+own backward runs (from the second step on the gather of the next unit is started early, see
+``prefetch``). Backward: each full parameter's post-accumulate-grad hook counts the
 gradients; when the last one has arrived the unit frees its parameters and launches an
 asynchronous reduce-scatter of its gradients, which overlaps with the backward of the units
 before it. The root's end-of-backward callback waits for every reduction and writes each rank's
@@ -12,6 +13,7 @@ chunk into its shards' ``.grad`` (after an all-reduce across replicas under hybr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.autograd import Variable
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+from lockstep.fsdp.prefetch import Prefetcher
 from lockstep.tensors import iter_tensors
 
 __all__ = ["FSDPUnit", "RootState", "get_unit"]
@@ -42,6 +45,7 @@ class RootState:
     units: list[FSDPUnit]
     pending: list[tuple[FSDPUnit, collectives.Pending, torch.Tensor]] = field(default_factory=list)
     callback_queued: bool = False
+    prefetcher: Prefetcher = field(default_factory=Prefetcher)
 
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
@@ -56,8 +60,10 @@ class RootState:
                 unit.post_backward()
         for unit, pending, reduced in self.pending:
             pending.wait()
+            unit.emit("reduce-waited")
             unit.land(reduced)
         self.pending.clear()
+        self.prefetcher.end_backward()
 
 
 class FSDPUnit:
@@ -81,6 +87,11 @@ class FSDPUnit:
         self.requires_gradient_sync = True
         self.unsharded = False
         self.backward_open = False  # gathered for backward, gradients not yet reduced
+        self.prefetch = True  # start the next unit's all-gather early (see ``prefetch``)
+        self.listener: Callable[[str, str], None] | None = None  # see prefetch.record_events
+        self.name = ""  # module path under the root, known once the root ran forward
+        # An all-gather in flight: (pending, output, input kept alive until it finishes).
+        self._gathering: tuple[collectives.Pending, torch.Tensor, torch.Tensor] | None = None
         self._ready = 0
         module.__dict__[_ATTR] = self
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
@@ -91,22 +102,57 @@ class FSDPUnit:
     # -- root -----------------------------------------------------------------------------------
 
     def _lazy_init_root(self) -> None:
-        units = [u for m in self.module.modules() if (u := get_unit(m)) is not None]
-        state = RootState(units)
-        for unit in units:
-            unit.root = state
+        named = [(n, u) for n, m in self.module.named_modules() if (u := get_unit(m)) is not None]
+        state = RootState([u for _, u in named])
+        for name, unit in named:
+            unit.root, unit.name = state, name
         self.is_root = True
+
+    def emit(self, event: str) -> None:
+        """Tell the listener of :func:`lockstep.fsdp.record_events` what this unit just did."""
+        if self.listener is not None:
+            self.listener(event, self.name)
 
     # -- gather and free ------------------------------------------------------------------------
 
+    def start_gather(self) -> None:
+        """Start the asynchronous all-gather of the full parameters (no-op if gathered or going)."""
+        if self.unsharded or self._gathering is not None:
+            return
+        out, local = self.flat.gather_output(), self.flat.gather_input()
+        pending = collectives.Pending(None)
+        if out.numel():
+            pending = collectives.all_gather_into_tensor(out, local, self.shard_group, async_op=True)
+        self._gathering = (pending, out, local)
+        self.emit("gather-issued")
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters this unit holds now, a prefetched gather in flight included."""
+        held = sum(s.full.untyped_storage().nbytes() for s in self.flat.slots)
+        if self._gathering is not None:
+            held += self._gathering[1].untyped_storage().nbytes()
+        return held
+
+    def drop_gather(self) -> None:
+        """Finish an all-gather nobody used and discard its result."""
+        if self._gathering is not None:
+            self._gathering[0].wait()
+            self._gathering = None
+
     def unshard(self) -> None:
-        """All-gather the full parameters into the modules (no-op when already there)."""
+        """All-gather the full parameters into the modules (no-op when already there).
+
+        Waits for a gather already started by a prefetch, else starts one and waits.
+        """
         if not self.unsharded:
-            out = self.flat.gather_output()
-            if out.numel():
-                collectives.all_gather_into_tensor(out, self.flat.gather_input(), self.shard_group).wait()
+            self.start_gather()
+            assert self._gathering is not None
+            pending, out, _ = self._gathering
+            pending.wait()
+            self._gathering = None
             self.flat.fill_full(out)
             self.unsharded = True
+            self.emit("gather-waited")
         self.flat.use_full()
 
     def reshard(self) -> None:
@@ -121,10 +167,16 @@ class FSDPUnit:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.root is None:
             self._lazy_init_root()
+        assert self.root is not None
+        if self.is_root:
+            self.root.prefetcher.drop()  # gathers from before an optimizer step are stale
         self.unshard()
+        self.root.prefetcher.on_forward(self)
+        self.emit("forward-begin")
         return self.mp_policy.cast_inputs(args), self.mp_policy.cast_inputs(kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self.emit("forward-end")
         if self.reshard_after_forward:
             self.reshard()
         else:
@@ -142,6 +194,8 @@ class FSDPUnit:
             self.unshard()
             self.flat.use_shards()  # the graph holds the full tensors; users see the shards
             assert self.root is not None
+            self.root.prefetcher.on_backward(self)
+            self.emit("backward-begin")
             self.root.queue_final_callback()
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -162,6 +216,7 @@ class FSDPUnit:
         send = self.flat.grad_send(dtype)
         reduced = torch.empty(self.flat.grad_numel, dtype=dtype, device=send.device)
         pending = collectives.reduce_scatter_tensor(reduced, send.view(-1), self.shard_group, async_op=True)
+        self.emit("reduce-issued")
         assert self.root is not None
         self.root.pending.append((self, pending, reduced))
 
