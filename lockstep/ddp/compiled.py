@@ -140,7 +140,7 @@ class BucketSplitter:
                             for k in range(count)])
         logger.debug("lockstep compile: %d buckets, graph cut into %d pieces", len(buckets), count)
         if count == 1:
-            return torch.compile(gm, backend=self.backend)
+            return self.backend(gm, example_inputs)  # nothing to split: as Dynamo would
         split = split_module(gm, None, lambda node: where[node])  # type: ignore[arg-type]
         for name, child in list(split.named_children()):
             # Each piece is compiled on its own: its backward is its own autograd node.
