@@ -79,7 +79,8 @@ def run_variant(rank: int, variant: str, args: argparse.Namespace) -> dict:
 
     for _ in range(args.warmup):  # compiles, and fixes lockstep's bucket layout
         step()
-    profiler = ddp.enable_profiling(warmup=0) if variant.startswith("lockstep") else None
+    lockstep_ddp = ddp if isinstance(ddp, lockstep.DistributedDataParallel) else None
+    profiler = lockstep_ddp.enable_profiling(warmup=0) if lockstep_ddp is not None else None
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -93,7 +94,7 @@ def run_variant(rank: int, variant: str, args: argparse.Namespace) -> dict:
         out["exposed_s"] = statistics.median(p["exposed_comm"] for p in phases)
         out["exposed"] = statistics.median(p["exposed_comm"] / p["step"] for p in phases)
         out["backward_s"] = statistics.median(p["backward"] + p["exposed_comm"] for p in phases)
-        ddp.enable_profiling(False)
+        lockstep_ddp.enable_profiling(False)  # type: ignore[union-attr]
     dist.barrier()
     return out
 

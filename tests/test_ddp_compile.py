@@ -8,6 +8,8 @@ and overlap: a bucket's all-reduce starts before the backward of the model's fir
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -118,24 +120,26 @@ def _first_layer_node(out: torch.Tensor, weight: torch.Tensor):
     raise AssertionError("the first layer's weight is not in the graph")
 
 
-def _train(model: nn.Module, first: nn.Module, rank: int, world: int, launches: list | None):
-    """STEPS steps; returns launches counted before the first layer's backward, per step."""
-    opt = torch.optim.SGD(first.parameters(), lr=0.1)
-    early = []
+def _train(model, net: nn.Sequential, rank: int, launches: list[int] | None) -> list[int]:
+    """STEPS steps; returns, per step, the all-reduces launched before the first layer's backward."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    early: list[int] = []
     for step in range(STEPS):
         x, y = _batch(rank, step)
         out = model(x)
         if launches is not None:
-            before = len(launches)
-            marks: list[int] = []
-            node = _first_layer_node(out, first[0].weight)
-            node.register_prehook(lambda grads: marks.append(len(launches) - before))
+            first = net[0]
+            assert isinstance(first, nn.Linear)
+            node = _first_layer_node(out, first.weight)
+            node.register_prehook(functools.partial(_count_at, launches, len(launches), early))
         F.mse_loss(out, y).backward()
-        if launches is not None:
-            early.append(marks[0])
         opt.step()
         opt.zero_grad()
     return early
+
+
+def _count_at(launches: list[int], before: int, early: list[int], grads) -> None:
+    early.append(len(launches) - before)
 
 
 def _counting_hook(launches: list):
@@ -147,8 +151,7 @@ def _counting_hook(launches: list):
 
 
 def _compiled_world(rank: int, backend: str, variants: list[str]) -> dict:
-    info = lockstep.init_distributed()
-    world = info.world_size
+    world = lockstep.init_distributed().world_size
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     out: dict = {"rank": rank}
@@ -171,7 +174,7 @@ def _compiled_world(rank: int, backend: str, variants: list[str]) -> dict:
             ddp.register_comm_hook(ddp.process_group, _counting_hook(launches))
         else:  # torch's DDP, compiled (its own graph split; its first bucket must fit its cap)
             model = torch.compile(nn.parallel.DistributedDataParallel(net), backend=backend)
-        early = _train(model, net, rank, world, launches)
+        early = _train(model, net, rank, launches)
         out[variant] = {"params": [p.detach().clone() for p in net.parameters()], "early": early,
                         "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks}
         if variant.startswith("compiled"):

@@ -7,6 +7,8 @@ events recorded on the rank's own stream, not a synchronisation per mark.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,7 +73,7 @@ def test_init_distributed_fails_before_torch_on_a_cpu_build(monkeypatch):
 
 
 class _FakeEvent:
-    recorded: list = []
+    recorded: ClassVar[list] = []
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.stream = None

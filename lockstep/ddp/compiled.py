@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -143,6 +143,7 @@ class BucketSplitter:
             return self.backend(gm, example_inputs)  # nothing to split: as Dynamo would
         split = split_module(gm, None, lambda node: where[node])  # type: ignore[arg-type]
         for name, child in list(split.named_children()):
+            assert isinstance(child, fx.GraphModule)  # split_module makes every piece one
             # Each piece is compiled on its own: its backward is its own autograd node.
             setattr(split, name, torch.compile(_Piece(child), backend=self.backend))
         return split
@@ -180,11 +181,11 @@ def active_backend(module: nn.Module) -> tuple[Any, nn.Module] | None:
     from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
 
     if isinstance(module, OptimizedModule):
-        return innermost_backend(module.dynamo_ctx.callback), module._orig_mod
+        return innermost_backend(cast(Callable[..., Any], module.dynamo_ctx.callback)), module._orig_mod
     callback = get_eval_frame_callback()
-    if callback is None or callback is False or not callable(callback):
+    if callback is None or isinstance(callback, bool):  # not compiling / compiled code only
         return None
-    return innermost_backend(callback), module
+    return innermost_backend(cast(Callable[..., Any], callback)), module
 
 
 class CompiledTwin:
@@ -198,20 +199,19 @@ class CompiledTwin:
     def __init__(self, module: nn.Module, plan: BucketPlan) -> None:
         self.module = module
         self.plan = plan
-        self._twins: dict[int, tuple[Any, nn.Module, BucketSplitter]] = {}
+        self._twins: dict[int, tuple[Any, Callable[..., Any], BucketSplitter]] = {}
 
     def __call__(self, found: tuple[Any, nn.Module] | None, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module, split-compiled with ``found``'s backend (see :func:`active_backend`)."""
         if found is None:
             return self.module(*inputs, **kwargs)
         backend, target = found
-        twin = self._twins.get(id(backend))
-        if twin is None:
+        if id(backend) not in self._twins:
             splitter = BucketSplitter(self.plan, backend)
             # The twin is held here, not registered as a submodule: no second set of state keys.
-            twin = (backend, torch.compile(target, backend=splitter), splitter)
-            self._twins[id(backend)] = twin
-        return twin[1](*inputs, **kwargs)
+            # The backend is held too, so that its id is not reused while the entry lives.
+            self._twins[id(backend)] = (backend, torch.compile(target, backend=splitter), splitter)
+        return self._twins[id(backend)][1](*inputs, **kwargs)
 
     def splitters(self) -> list[BucketSplitter]:
         """The splitters built so far (one per backend), e.g. to inspect the pieces."""
