@@ -219,8 +219,9 @@ ALL = ["eager", "compiled", "compiled_inner", "torch"]
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 3])
 def test_compiled_matches_eager_torch_and_one_process(world):
-    results = lockstep.spawn(_compiled_world, world, ("aot_eager", ALL), timeout=300)
-    _check(results, ALL)
+    variants = ALL if world == 2 else ALL[:3]  # torch's compiled DDP once is enough
+    results = lockstep.spawn(_compiled_world, world, ("aot_eager", variants), timeout=300)
+    _check(results, variants)
 
 
 @pytest.mark.multirank

@@ -14,7 +14,8 @@ which gradients arrive and reduces everything at its end, in buckets already bui
 from a checkpoint, which records the same order — reduces with that layout, so sums are rounded
 identically and a resumed job stays bitwise equal to an uninterrupted one (issue 11). With
 ``find_unused_parameters`` the arrival order changes from one iteration to the next, so the
-registration order is kept, as torch does.
+registration order is kept, as torch does. Under ``torch.compile`` the graph split proposes the
+order instead (:meth:`Reducer.plan_buckets`, see ``compiled.py``), so buckets and pieces agree.
 
 ``static_graph=True`` means the graph is the same every iteration: the first backward also
 counts how many times each gradient arrives (twice for a block checkpointed twice), and later
