@@ -268,14 +268,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = sync
         return output
 
-    # Profiling marks never enter a compiled graph (a clock read would break it): under
-    # torch.compile the forward goes unmarked and backward is marked by the reducer's hooks.
+    # Profiling marks never enter a compiled graph (a clock read would break it). Under
+    # torch.compile(ddp) these hooks run outside the graph, as Python (Dynamo would otherwise
+    # trace them away); inside a larger compiled function the forward goes unmarked and backward
+    # is marked by the reducer's hooks.
+    @torch.compiler.disable()
     def _profile_forward_pre(self, module: nn.Module, inputs: Any) -> None:
         if torch.compiler.is_compiling():
             return
         if self._clock is not None and torch.is_grad_enabled():
             self._clock.forward_started(inputs)
 
+    @torch.compiler.disable()
     def _profile_forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
