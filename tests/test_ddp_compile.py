@@ -180,8 +180,7 @@ def _compiled_world(rank: int, backend: str, variants: list[str]) -> dict:
         if variant.startswith("compiled"):
             names = {id(p): n for n, p in net.named_parameters()}
             buckets = [[names[id(p)] for p in b] for b in ddp.plan_buckets([])]
-            pieces = [[names[id(p)] for p in piece]
-                      for s in ddp._twin.splitters() for piece in s.pieces[-1]]
+            pieces = [[names[id(p)] for p in piece] for piece in ddp.compiled_pieces[-1]]
             out[variant]["buckets"], out[variant]["pieces"] = buckets, pieces
     if rank == 0:  # the reference: one process, every rank's batch at once
         net = _mlp()

@@ -377,6 +377,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         buckets = reducer.plan_buckets([index[id(p)] for p in order if id(p) in index])
         return [[reducer.params[i] for i in bucket] for bucket in buckets]
 
+    @property
+    def compiled_pieces(self) -> list[list[list[nn.Parameter]]]:
+        """Under torch.compile: per graph compiled, the parameters each piece's backward finishes.
+
+        Pieces in forward order; the split ends them at the buckets of :meth:`plan_buckets`.
+        """
+        return [graph for splitter in self._twin.splitters() for graph in splitter.pieces]
+
     def set_gradient_scale(self, scale: float) -> None:
         """Multiply the averaged gradients of every later backward by ``scale`` (join uses it)."""
         if self._reducer is not None:
