@@ -18,7 +18,8 @@ from lockstep.env import ProcessInfo, default_backend, detect_process_info
 from lockstep.teardown import quiesce
 
 __all__ = [
-    "current_process_info", "init_distributed", "pick_device", "resolve_group", "shutdown_distributed",
+    "current_process_info", "init_distributed", "pick_device", "resolve_device", "resolve_group",
+    "shutdown_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,50 @@ def pick_device(local_rank: int) -> torch.device:
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def resolve_device(device: torch.device | str | int | None, local_rank: int) -> torch.device:
+    """This rank's device from what was asked: ``cuda`` without an index is GPU ``local_rank``.
+
+    Args:
+        device: ``None`` (GPU ``local_rank`` where there are GPUs, else the CPU), a device, a
+            string such as ``"cpu"``, ``"cuda"`` or ``"cuda:1"``, or a GPU number.
+        local_rank: this process's rank on its node.
+
+    Raises:
+        RuntimeError: CUDA was asked for but this torch build has none, no GPU is visible, or
+            the GPU named (or ``local_rank``) does not exist on this machine.
+        ValueError: ``device`` is not a device name.
+    """
+    if device is None:
+        return pick_device(local_rank)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device name (e.g. 'cpu', 'cuda', 'cuda:0'): {e}") from None
+    if dev.type != "cuda":
+        return dev
+    if not torch.backends.cuda.is_built():
+        raise RuntimeError(
+            f"CUDA requested (device={str(device)!r}) but this torch build has no CUDA "
+            f"(torch {torch.__version__}): install a CUDA build of torch, or run on the CPU "
+            "(device='cpu', or LOCKSTEP_DEVICE=cpu)."
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"CUDA requested (device={str(device)!r}) but no GPU is visible to this process "
+            "(torch.cuda.is_available() is False): check the driver and CUDA_VISIBLE_DEVICES, "
+            "or run on the CPU (device='cpu', or LOCKSTEP_DEVICE=cpu)."
+        )
+    if dev.index is None:
+        return pick_device(local_rank)  # "cuda": one GPU per local rank, as torchrun assigns
+    count = torch.cuda.device_count()
+    if dev.index >= count:
+        raise RuntimeError(
+            f"device={str(device)!r} does not exist: this machine has {count} GPU(s) "
+            f"(cuda:0 to cuda:{count - 1}). Pass 'cuda' to use GPU number LOCAL_RANK."
+        )
+    return dev
 
 
 def current_process_info() -> ProcessInfo:
@@ -67,6 +112,7 @@ def init_distributed(
         timeout: how long a collective may wait for a peer before failing.
         device: this rank's device; by default ``LOCKSTEP_DEVICE`` when set (``cpu`` forces CPU
             workers on a GPU machine), else GPU ``local_rank`` when there are GPUs, else CPU.
+            ``"cuda"`` without an index means GPU ``local_rank`` (see :func:`resolve_device`).
 
     Returns:
         The :class:`~lockstep.env.ProcessInfo` of this process, with device and backend.
@@ -85,7 +131,7 @@ def init_distributed(
     info = detect_process_info()
     if device is None and os.environ.get("LOCKSTEP_DEVICE"):
         device = os.environ["LOCKSTEP_DEVICE"]  # e.g. force CPU workers on a GPU machine
-    dev = torch.device(device) if device is not None else pick_device(info.local_rank)
+    dev = resolve_device(device, info.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = backend or default_backend(dev)

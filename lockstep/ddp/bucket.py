@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MB", "Bucket", "BucketSpec", "assign_buckets"]
+__all__ = ["MB", "Bucket", "BucketSpec", "assign_buckets", "complete_order"]
 
 MB = 1024 * 1024
 # The first bucket is small so that the first all-reduce starts early in backward.
@@ -77,6 +77,12 @@ def assign_buckets(
     done.extend(b for b in open_buckets.values() if b)
     position = {idx: pos for pos, idx in enumerate(order)}
     return sorted(done, key=lambda b: position[b[0]])
+
+
+def complete_order(first: Sequence[int], count: int) -> list[int]:
+    """``first``, then the other indices below ``count`` last-registered first (a rebuild's order)."""
+    seen = set(first)
+    return list(first) + [i for i in reversed(range(count)) if i not in seen]
 
 
 @dataclass

@@ -14,7 +14,8 @@ which gradients arrive and reduces everything at its end, in buckets already bui
 from a checkpoint, which records the same order — reduces with that layout, so sums are rounded
 identically and a resumed job stays bitwise equal to an uninterrupted one (issue 11). With
 ``find_unused_parameters`` the arrival order changes from one iteration to the next, so the
-registration order is kept, as torch does.
+registration order is kept, as torch does. Under ``torch.compile`` the graph split proposes the
+order instead (:meth:`Reducer.plan_buckets`, see ``compiled.py``), so buckets and pieces agree.
 
 ``static_graph=True`` means the graph is the same every iteration: the first backward also
 counts how many times each gradient arrives (twice for a block checkpointed twice), and later
@@ -35,7 +36,7 @@ from torch.autograd import Variable
 
 from lockstep import collective_checks, hang
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
-from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets
+from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets, complete_order
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
 from lockstep.ddp.reducer_errors import (
     graph_changed,
@@ -99,6 +100,7 @@ class Reducer:
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * n
         self._specs = [BucketSpec.of(p, s) for p, s in zip(self.params, sparse)]
         self._layout_fixed = self.find_unused
+        self._proposed: list[int] = []  # a layout order proposed before it is fixed (compile)
         # Gradient arrivals per parameter in one backward (static graph: counted in the first).
         self._expected = [1] * n
         self._static_unused: list[int] = []  # static graph: never reached on this rank
@@ -132,9 +134,7 @@ class Reducer:
 
     def _rebuild(self, arrival: list[int]) -> None:
         """Rebuild buckets in rank 0's arrival order (broadcast: every rank builds the same)."""
-        seen = set(arrival)
-        rest = [i for i in reversed(range(len(self.params))) if i not in seen]
-        order = torch.tensor(arrival + rest, dtype=torch.int64)
+        order = torch.tensor(complete_order(arrival, len(self.params)), dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             order = order.to(self.params[0].device)
         src = dist.get_global_rank(self.group, 0)
@@ -142,6 +142,21 @@ class Reducer:
                  lambda: dist.broadcast(order, src=src, group=self.group))
         self._build(order.cpu().tolist())
         self._layout_fixed = True
+
+    def plan_buckets(self, order: Sequence[int]) -> list[list[int]]:
+        """The buckets (parameter indices, launch order) for gradients finishing in ``order``.
+
+        Before the layout is fixed, ``order`` is what the first synchronised backward builds its
+        buckets in, instead of the order it records (torch.compile's graph split proposes it:
+        see ``compiled.py``); orders proposed later (a second graph, later in forward) go first.
+        Once fixed, the fixed buckets are returned.
+        """
+        if self._layout_fixed:
+            return [list(b.param_indices) for b in self.buckets]
+        known = set(self._proposed)
+        self._proposed = [i for i in order if i not in known] + self._proposed
+        return assign_buckets(self._specs, complete_order(self._proposed, len(self.params)),
+                              self.cap_bytes)
 
     # ---- per-iteration state -------------------------------------------------------------
     def _reset_iteration(self) -> None:
@@ -346,7 +361,7 @@ class Reducer:
         recording = self._recording
         if recording:
             last_seen = {i: pos for pos, i in enumerate(self._arrival_order)}
-            self._rebuild(sorted(last_seen, key=last_seen.__getitem__))
+            self._rebuild(self._proposed or sorted(last_seen, key=last_seen.__getitem__))
             self._reset_counts_for_layout()
             for i in sorted(last_seen, key=last_seen.__getitem__):
                 self._mark_ready(i, self.params[i])
@@ -449,7 +464,7 @@ class Reducer:
         """
         recording = not self._layout_fixed
         if recording:
-            self._rebuild([])
+            self._rebuild(self._proposed)
         last = len(self.buckets) - 1
         for bucket in self.buckets:
             grad_bucket: GradBucket

@@ -25,6 +25,7 @@ from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
 from lockstep.ddp import arguments
 from lockstep.ddp.comm_hooks import returns_future
+from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import DDPJoinHook, UnevenInputs
 from lockstep.ddp.reducer import Reducer
@@ -202,6 +203,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
         self._reducer: Reducer | None = None
         self._delayed: DelayedAllReduce | None = None
+        self._twin = CompiledTwin(self.module, self.plan_buckets)  # torch.compile's bucket split
         if self.world_size == 1:
             return
         named = dict(self.module.named_parameters())
@@ -241,11 +243,20 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
     # ---- forward -------------------------------------------------------------------------
+    # Under torch.compile this frame is skipped, not traced (no graph break): with nothing to
+    # synchronise the module is compiled as it is called; otherwise the bookkeeping runs as
+    # Python, as torch's DDP forward does, and the module runs through a twin compiled in pieces
+    # that end at bucket boundaries, so all-reduces overlap backward (see compiled.py).
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        reducer = self._reducer
-        if (reducer is None and self.device_ids is None
+        if (self._reducer is None and self.device_ids is None
                 and self._uneven is None and self._torch_join is None and self._delayed is None):
             return self.module(*inputs, **kwargs)
+        return self._synced_forward(active_backend(self.module), inputs, kwargs)
+
+    @torch.compiler.disable()
+    def _synced_forward(self, compile_with: Any, inputs: tuple, kwargs: dict) -> Any:
+        reducer = self._reducer
         if self.device_ids is not None:
             moved_inputs, moved_kwargs = self.to_kwargs(inputs, kwargs, self.device_ids[0])
             inputs, kwargs = moved_inputs[0], moved_kwargs[0]
@@ -264,21 +275,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._delayed.before_forward(sync)
         if self._clock is not None and grad_enabled and not torch.compiler.is_compiling():
             self._clock.forward_synced()
-        output = self.module(*inputs, **kwargs)
+        output = self._twin(compile_with, *inputs, **kwargs)
         if reducer is not None and grad_enabled:
             reducer.prepare_for_backward(self.require_backward_grad_sync, output)
         # As torch: the forward after a no_sync forward does not broadcast buffers.
         self.require_forward_param_sync = sync
         return output
 
-    # Profiling marks never enter a compiled graph (a clock read would break it): under
-    # torch.compile the forward goes unmarked and backward is marked by the reducer's hooks.
+    # Profiling marks never enter a compiled graph (a clock read would break it). Under
+    # torch.compile(ddp) these hooks run outside the graph, as Python (Dynamo would otherwise
+    # trace them away); inside a larger compiled function the forward goes unmarked and backward
+    # is marked by the reducer's hooks.
+    @torch.compiler.disable()
     def _profile_forward_pre(self, module: nn.Module, inputs: Any) -> None:
         if torch.compiler.is_compiling():
             return
         if self._clock is not None and torch.is_grad_enabled():
             self._clock.forward_started(inputs)
 
+    @torch.compiler.disable()
     def _profile_forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
@@ -360,6 +375,29 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._torch_join = None
 
         return DDPJoinHook(state, done)
+
+    def plan_buckets(self, order: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The gradient buckets, in launch order, for a backward finishing gradients in ``order``.
+
+        The seam for torch.compile's graph split: before the first synchronised backward fixes
+        the layout, ``order`` is proposed as the order to build buckets in; afterwards the fixed
+        buckets are returned. Parameters lockstep does not bucket are left out. Empty in a
+        world of one.
+        """
+        reducer = self._reducer
+        if reducer is None:
+            return []
+        index = {id(p): i for i, p in enumerate(reducer.params)}
+        buckets = reducer.plan_buckets([index[id(p)] for p in order if id(p) in index])
+        return [[reducer.params[i] for i in bucket] for bucket in buckets]
+
+    @property
+    def compiled_pieces(self) -> list[list[list[nn.Parameter]]]:
+        """Under torch.compile: per graph compiled, the parameters each piece's backward finishes.
+
+        Pieces in forward order; the split ends them at the buckets of :meth:`plan_buckets`.
+        """
+        return [graph for splitter in self._twin.splitters() for graph in splitter.pieces]
 
     def set_gradient_scale(self, scale: float) -> None:
         """Multiply the averaged gradients of every later backward by ``scale`` (join uses it)."""
@@ -549,7 +587,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         state = dict(self.__dict__)
         for key in ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
-                    "_torch_join", "_clock", "_profile_hooks", "_arrivals"):
+                    "_torch_join", "_clock", "_profile_hooks", "_arrivals", "_twin"):
             state.pop(key, None)
         # A copy starts with the default reduction (the hook's state may hold a group).
         state["_hook_registered"] = False

@@ -31,7 +31,7 @@ class Stamps:
             with torch.cuda.device(device):
                 torch.cuda.synchronize()
                 self._base = torch.cuda.Event(enable_timing=True)
-                self._base.record()
+                self._base.record(torch.cuda.current_stream(device))
                 self._base.synchronize()
             self._base_cpu = time.perf_counter()
 
@@ -39,7 +39,8 @@ class Stamps:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        # On this device's stream, whichever device is current (no synchronisation here).
+        event.record(torch.cuda.current_stream(self._device))
         return event
 
     def done(self, stamp: Stamp) -> bool:

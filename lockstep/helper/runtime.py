@@ -43,6 +43,8 @@ class Runtime:
         backend: ``"nccl"``/``"gloo"``; by default NCCL on GPUs, gloo on CPUs.
         timeout: how long a collective may wait for a peer.
         device: this rank's device; by default its GPU where there are GPUs, else the CPU.
+            ``"cuda"`` without an index means GPU ``LOCAL_RANK``; on a torch build without
+            CUDA it raises a RuntimeError that says so.
 
     Example::
 
