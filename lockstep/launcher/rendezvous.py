@@ -11,32 +11,44 @@ Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over 
   socket to 127.0.0.1 itself and hands it to the store (``master_listen_fd``). Several agents
   on one machine (``--nnodes 2`` on loopback) share it: the first binds the port and hosts the
   store, the others connect.
-- ``lockstep-c10d`` (any other endpoint): torch's stores, reachable by the other machines.
+- ``lockstep-c10d`` (any other endpoint): the launcher whose machine owns the endpoint's
+  address hosts the store (found by binding the address, so a secondary interface or a
+  hostname torch does not recognise still works); the others connect, saying every few
+  seconds what they wait for while the endpoint cannot be reached.
+- Both talk (:mod:`~lockstep.launcher.meeting`): a line every few seconds while waiting, a
+  timeout that says what was seen, and the machines that joined or left at each round.
+- The store's host leaves last: at shutdown every launcher counts itself out and the host
+  waits for them (briefly), so that no launcher's last words meet a store that is gone (a C++
+  stack trace and "failed to shutdown the rendezvous" after a good job).
 """
 
 from __future__ import annotations
 
 import errno
 import ipaddress
+import json
 import logging
 import socket
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-    create_backend,
-)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from lockstep.launcher.meeting import Meeting, Member, RoundView, Visitor, say_on_stderr
 
 __all__ = [
     "C10D_BACKEND",
@@ -44,8 +56,10 @@ __all__ = [
     "LOOPBACK_HOST",
     "FreshStoreRendezvousHandler",
     "LoopbackRendezvousHandler",
+    "endpoint_store",
     "is_loopback_host",
     "loopback_store",
+    "open_loopback_store",
     "register_backends",
 ]
 
@@ -96,13 +110,20 @@ def loopback_store(port: int, timeout: timedelta, host: bool | None = None) -> d
         timeout: how long store operations wait.
         host: force hosting (True) or connecting (False); by default host if the port is free.
     """
+    return open_loopback_store(port, timeout, host)[0]
+
+
+def open_loopback_store(
+    port: int, timeout: timedelta, host: bool | None = None
+) -> tuple[dist.TCPStore, bool]:
+    """:func:`loopback_store`, and whether this process hosts it."""
     sock = _bind_loopback(port) if host is not False else None
     if sock is None:
         if host:
             raise RuntimeError(f"{LOOPBACK_HOST}:{port} is taken; cannot host the rendezvous store")
         return dist.TCPStore(
             LOOPBACK_HOST, port, is_master=False, timeout=timeout, multi_tenant=True
-        )
+        ), False
     bound_port = sock.getsockname()[1]
     # The store takes ownership of the descriptor, so Python must not close it.
     return dist.TCPStore(
@@ -114,7 +135,91 @@ def loopback_store(port: int, timeout: timedelta, host: bool | None = None) -> d
         multi_tenant=True,
         master_listen_fd=sock.detach(),
         use_libuv=_LIBUV_TAKES_LISTEN_FD,
-    )
+    ), True
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: one it can listen on."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _reach(host: str, port: int, deadline: float, report: Meeting | None) -> None:
+    """Wait until ``host:port`` accepts connections, saying every few seconds why not yet.
+
+    torch's store client retries silently for its whole timeout; a mistyped address or a
+    closed port should be visible within seconds.
+    """
+    start = time.monotonic()
+    next_line = start + (report.interval if report else float("inf"))
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+        now = time.monotonic()
+        if now >= deadline:
+            raise RendezvousConnectionError(
+                f"cannot reach the rendezvous at {host}:{port} ({why}) for "
+                f"{now - start:.0f} s. Check that the first machine's launcher runs, that "
+                f"{host} is its address as this machine sees it, and that port {port} is "
+                "open in the firewall."
+            )
+        if report is not None and now >= next_line:
+            report.say(
+                f"waiting for the rendezvous at {host}:{port} (job {report.run_id}): cannot "
+                f"reach it yet ({why}) after {now - start:.0f} s; giving up at "
+                f"{report.join_timeout:.0f} s. Is the first machine's launcher started, "
+                "the address right and the port open?"
+            )
+            next_line = now + report.interval
+        time.sleep(0.5)
+
+
+def endpoint_store(
+    host: str, port: int, timeout: timedelta, is_host: bool | None = None,
+    report: Meeting | None = None, deadline: float | None = None,
+) -> tuple[dist.TCPStore, bool]:
+    """The multi-machine rendezvous store at ``host:port``, and whether this process hosts it.
+
+    The launcher on the machine that owns ``host`` hosts it (the first to bind the port, when
+    several launchers share that machine); the others connect once the port answers.
+    """
+    if is_host is not False and _is_this_machine(host):
+        try:
+            return dist.TCPStore(
+                "" if not _is_ip(host) else host, port, is_master=True, timeout=timeout,
+                wait_for_workers=False, multi_tenant=True,
+            ), True
+        except (RuntimeError, ValueError):  # the port is taken: another launcher hosts it
+            if is_host:
+                raise
+    _reach(host, port, deadline or time.monotonic() + timeout.total_seconds(), report)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, multi_tenant=True), False
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+_VISITORS_KEY = "lockstep/rdzv/visitors"  # every launcher that reached the store, any job
+_STALE_HEARTBEATS = 3  # keep-alive intervals without a heartbeat: "stopped answering"
+_DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
 
 
 class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
@@ -126,12 +231,118 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     previous attempt's addresses and fails to connect (torchrun's ``--max-restarts`` breaks
     the same way). Forgetting the store before each round makes rank 0 host a fresh one;
     on torch versions without these attributes, setting them changes nothing.
+
+    With a :class:`~lockstep.launcher.meeting.Meeting` attached (:meth:`attach`), it also
+    reports while waiting and at each round, and orders its shutdown (see the module).
     """
 
+    meeting: Meeting | None = None
+    hosts_store: bool = False
+    log_dir: str | None = None
+
+    def attach(self, meeting: Meeting, nproc: int, log_dir: str | None) -> None:
+        """Report through ``meeting``; publish this launcher's worker count and visit."""
+        self.meeting, self.log_dir = meeting, log_dir
+        me = self._this_node
+        record = {"nproc": nproc, "host": socket.gethostname()}
+        self._store.set(self._nproc_key(repr(me)), json.dumps(record))
+        visit = {"key": repr(me), "host": me.addr, "pid": me.pid,
+                 "run_id": self._settings.run_id, "nnodes": meeting.nnodes}
+        self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")
+
+    def _nproc_key(self, node: str) -> str:
+        return f"lockstep/{self._settings.run_id}/nproc/{node}"
+
+    # ---- what the reports read -----------------------------------------------------------
+    def round_view(self) -> RoundView:
+        """A plain snapshot of the rendezvous state this launcher last synced."""
+        state = self._state_holder.state
+        now = datetime.now(timezone.utc)
+        records = self._records([repr(n) for n in [*state.participants, *state.wait_list]])
+
+        def member(node: Any, rank: int) -> Member:
+            record = records.get(repr(node), {})
+            return Member(repr(node), record.get("host", node.addr), rank, record.get("nproc"))
+
+        members = tuple(member(n, r) for n, r in sorted(state.participants.items(),
+                                                          key=lambda item: item[1]))
+        waiting = tuple(member(n, -1) for n in state.wait_list)
+        ages = {repr(n): (now - t).total_seconds() for n, t in state.last_heartbeats.items()}
+        return RoundView(state.round, state.complete, members, waiting, ages)
+
+    def _records(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        """What each launcher published of itself (host name, worker count)."""
+        found = {}
+        for node in nodes:
+            key = self._nproc_key(node)
+            if self._store.check([key]):
+                found[node] = json.loads(self._store.get(key))
+        return found
+
+    def visitors(self) -> list[Visitor]:
+        if not self._store.check([_VISITORS_KEY]):
+            return []
+        found = []
+        for line in self._store.get(_VISITORS_KEY).decode().splitlines():
+            try:
+                v = json.loads(line)
+                found.append(Visitor(v["key"], v["host"], int(v["pid"]), v["run_id"], v["nnodes"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    # ---- the rendezvous ------------------------------------------------------------------
     def next_rendezvous(self):
         self._shared_tcp_store_server = None
         self._bootstrap_store_info = None
-        return super().next_rendezvous()
+        meeting = self.meeting
+        if meeting is None:
+            return super().next_rendezvous()
+        me = repr(self._this_node)
+        try:
+            with meeting.waiting(self.round_view, self.visitors, me):
+                info = super().next_rendezvous()
+        except RendezvousTimeoutError as err:
+            raise RendezvousTimeoutError(
+                meeting.timeout_message(self.round_view(), self.visitors(), me)
+            ) from err
+        self._announce(meeting)
+        return info
+
+    def _announce(self, meeting: Meeting) -> None:
+        from lockstep.launcher.errors import attempt_evidence
+
+        evidence, failed_here = attempt_evidence(self.log_dir)
+        view = self.round_view()
+        before = meeting.previous
+        joined = before is not None and {m.key for m in view.members} - {
+            m.key for m in before.members}
+        stale = self._settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
+        try:
+            meeting.announce(view, evidence, failed=failed_here or not joined, stale_after=stale)
+        except Exception:
+            logger.debug("could not announce the round", exc_info=True)
+
+    def shutdown(self) -> bool:
+        done = super().shutdown()
+        if self.meeting is not None:
+            self._leave_in_order()
+        return done
+
+    def _leave_in_order(self) -> None:
+        """Count this launcher out; the store's host waits until the others are out too."""
+        key = f"lockstep/{self._settings.run_id}/departed"
+        try:
+            left = self._store.add(key, 1)
+            if not self.hosts_store:
+                return
+            expected = len(self._state_holder.state.participants) or 1
+            deadline = time.monotonic() + _DEPARTURE_WAIT_S
+            while left < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self._store.add(key, 0)
+        except Exception:
+            logger.debug("orderly departure failed", exc_info=True)
 
     def get_backend(self) -> str:
         """The registry checks that a handler serves the backend it was asked for."""
@@ -163,6 +374,53 @@ def _rendezvous_timeout(params: RendezvousParameters) -> RendezvousTimeout:
     )
 
 
+def _keep_alive(params: RendezvousParameters) -> dict[str, Any]:
+    """``keep_alive_interval`` / ``keep_alive_max_attempt`` from ``--rdzv-conf``, if given."""
+    found: dict[str, Any] = {}
+    interval = params.get_as_int("keep_alive_interval")
+    if interval is not None:
+        found["keep_alive_interval"] = interval
+    attempts = params.get_as_int("keep_alive_max_attempt")
+    if attempts is not None:
+        found["keep_alive_max_attempt"] = attempts
+    return found
+
+
+def _meeting(params: RendezvousParameters, hosting: bool) -> Meeting | None:
+    """The reporter for a launch that asked for one (``lockstep run`` sets ``lockstep_nproc``)."""
+    if params.get("lockstep_nproc") is None:
+        return None
+    return Meeting(
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        join_timeout=_rendezvous_timeout(params).join.total_seconds(),
+        hosting=hosting,
+        max_restarts=params.get_as_int("lockstep_max_restarts", 0) or 0,
+        say=say_on_stderr,
+    )
+
+
+def _handler(cls: type, params: RendezvousParameters, store: Any, hosting: bool,
+             local_addr: str | None) -> Any:
+    handler = cls.from_backend(
+        params.run_id,
+        store,
+        C10dRendezvousBackend(store, params.run_id),
+        params.min_nodes,
+        params.max_nodes,
+        local_addr=local_addr,
+        timeout=_rendezvous_timeout(params),
+        **_keep_alive(params),
+    )
+    handler.hosts_store = hosting
+    meeting = _meeting(params, hosting)
+    if meeting is not None:
+        handler.attach(meeting, int(params.get("lockstep_nproc")), params.get("lockstep_log_dir"))
+    return handler
+
+
 def create_loopback_handler(params: RendezvousParameters) -> LoopbackRendezvousHandler:
     """Build the loopback handler from launcher parameters (the registry's creator)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
@@ -172,31 +430,20 @@ def create_loopback_handler(params: RendezvousParameters) -> LoopbackRendezvousH
             f"use the {C10D_BACKEND} rendezvous for a multi-machine endpoint"
         )
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
-    store = loopback_store(port, read_timeout, params.get_as_bool("is_host"))
-    backend = C10dRendezvousBackend(store, params.run_id)
-    return LoopbackRendezvousHandler.from_backend(
-        params.run_id,
-        store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        local_addr=params.local_addr or LOOPBACK_HOST,
-        timeout=_rendezvous_timeout(params),
-    )
+    store, hosting = open_loopback_store(port, read_timeout, params.get_as_bool("is_host"))
+    return _handler(LoopbackRendezvousHandler, params, store, hosting,
+                    params.local_addr or LOOPBACK_HOST)
 
 
 def create_c10d_handler(params: RendezvousParameters) -> FreshStoreRendezvousHandler:
-    """torch's c10d rendezvous (stores reachable by other machines), restart-safe."""
-    backend, store = create_backend(params)
-    return FreshStoreRendezvousHandler.from_backend(
-        params.run_id,
-        store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        local_addr=params.local_addr,
-        timeout=_rendezvous_timeout(params),
-    )
+    """The c10d rendezvous at a multi-machine endpoint, hosted by the machine that owns it."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    report = _meeting(params, hosting=False)
+    deadline = time.monotonic() + _rendezvous_timeout(params).join.total_seconds()
+    store, hosting = endpoint_store(host, port, read_timeout, params.get_as_bool("is_host"),
+                                    report, deadline)
+    return _handler(FreshStoreRendezvousHandler, params, store, hosting, params.local_addr)
 
 
 def register_backends() -> None:
