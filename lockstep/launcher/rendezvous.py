@@ -1,20 +1,13 @@
 """lockstep's rendezvous: torch's c10d rendezvous, restart-safe, and on loopback for one machine.
 
 Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over its
-``C10dRendezvousBackend``, registered in torch's rendezvous registry, with two changes:
+``C10dRendezvousBackend``, registered in torch's rendezvous registry, with these changes:
 
 - Restarts work: the workers' bootstrap store is recreated before every round (see
   :class:`FreshStoreRendezvousHandler`).
-- ``lockstep-loopback`` (endpoints on 127.0.0.1/localhost): torch's ``TCPStore`` servers
-  listen on every network interface, even for ``localhost:0``, so anyone who can reach the
-  machine could read or write the job's rendezvous state. Here lockstep binds the listening
-  socket to 127.0.0.1 itself and hands it to the store (``master_listen_fd``). Several agents
-  on one machine (``--nnodes 2`` on loopback) share it: the first binds the port and hosts the
-  store, the others connect.
-- ``lockstep-c10d`` (any other endpoint): the launcher whose machine owns the endpoint's
-  address hosts the store (found by binding the address, so a secondary interface or a
-  hostname torch does not recognise still works); the others connect, saying every few
-  seconds what they wait for while the endpoint cannot be reached.
+- ``lockstep-loopback`` (endpoints on 127.0.0.1/localhost): every store listens on 127.0.0.1
+  only; ``lockstep-c10d`` (any other endpoint): the launcher on the machine that owns the
+  address hosts the store (see :mod:`~lockstep.launcher.stores`).
 - Both talk (:mod:`~lockstep.launcher.meeting`): a line every few seconds while waiting, a
   timeout that says what was seen, and the machines that joined or left at each round.
 - The store's host leaves last: at shutdown every launcher counts itself out and the host
@@ -24,8 +17,6 @@ Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over 
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import json
 import logging
 import socket
@@ -33,10 +24,8 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
-    RendezvousConnectionError,
     RendezvousParameters,
     RendezvousTimeoutError,
     rendezvous_handler_registry,
@@ -49,6 +38,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from lockstep.launcher.meeting import Meeting, Member, RoundView, Visitor, say_on_stderr
+from lockstep.launcher.stores import (
+    LOOPBACK_HOST,
+    endpoint_store,
+    is_loopback_host,
+    loopback_store,
+    open_loopback_store,
+)
 
 __all__ = [
     "C10D_BACKEND",
@@ -67,156 +63,6 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK_BACKEND = "lockstep-loopback"
 C10D_BACKEND = "lockstep-c10d"
-LOOPBACK_HOST = "127.0.0.1"
-_LISTEN_BACKLOG = 512  # every worker and agent of the job may connect at once
-# torch's libuv store serves a listening socket handed to it only from 2.8 on
-# (pytorch/pytorch#150215); older versions need the classic store for that.
-_LIBUV_TAKES_LISTEN_FD = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (``127.x.y.z``, ``::1``)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind_loopback(port: int) -> socket.socket | None:
-    """A listening socket on 127.0.0.1:``port``, or None when another agent already has it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        # Lets a fixed --rdzv-endpoint port be reused right after the previous job ended.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK_HOST, port))
-        sock.listen(_LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE and port != 0:
-            return None
-        raise RuntimeError(
-            f"cannot listen on {LOOPBACK_HOST}:{port} for the rendezvous: {exc}"
-        ) from exc
-    return sock
-
-
-def loopback_store(port: int, timeout: timedelta, host: bool | None = None) -> dist.TCPStore:
-    """A multi-tenant ``TCPStore`` on 127.0.0.1:``port``, hosted here unless another process is.
-
-    Args:
-        port: the port; 0 picks a free one (and always hosts).
-        timeout: how long store operations wait.
-        host: force hosting (True) or connecting (False); by default host if the port is free.
-    """
-    return open_loopback_store(port, timeout, host)[0]
-
-
-def open_loopback_store(
-    port: int, timeout: timedelta, host: bool | None = None
-) -> tuple[dist.TCPStore, bool]:
-    """:func:`loopback_store`, and whether this process hosts it."""
-    sock = _bind_loopback(port) if host is not False else None
-    if sock is None:
-        if host:
-            raise RuntimeError(f"{LOOPBACK_HOST}:{port} is taken; cannot host the rendezvous store")
-        return dist.TCPStore(
-            LOOPBACK_HOST, port, is_master=False, timeout=timeout, multi_tenant=True
-        ), False
-    bound_port = sock.getsockname()[1]
-    # The store takes ownership of the descriptor, so Python must not close it.
-    return dist.TCPStore(
-        LOOPBACK_HOST,
-        bound_port,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=sock.detach(),
-        use_libuv=_LIBUV_TAKES_LISTEN_FD,
-    ), True
-
-
-def _is_this_machine(host: str) -> bool:
-    """Whether ``host`` names an address of this machine: one it can listen on."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
-def _reach(host: str, port: int, deadline: float, report: Meeting | None) -> None:
-    """Wait until ``host:port`` accepts connections, saying every few seconds why not yet.
-
-    torch's store client retries silently for its whole timeout; a mistyped address or a
-    closed port should be visible within seconds.
-    """
-    start = time.monotonic()
-    next_line = start + (report.interval if report else float("inf"))
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=2.0):
-                return
-        except OSError as exc:
-            why = exc.strerror or type(exc).__name__
-        now = time.monotonic()
-        if now >= deadline:
-            raise RendezvousConnectionError(
-                f"cannot reach the rendezvous at {host}:{port} ({why}) for "
-                f"{now - start:.0f} s. Check that the first machine's launcher runs, that "
-                f"{host} is its address as this machine sees it, and that port {port} is "
-                "open in the firewall."
-            )
-        if report is not None and now >= next_line:
-            report.say(
-                f"waiting for the rendezvous at {host}:{port} (job {report.run_id}): cannot "
-                f"reach it yet ({why}) after {now - start:.0f} s; giving up at "
-                f"{report.join_timeout:.0f} s. Is the first machine's launcher started, "
-                "the address right and the port open?"
-            )
-            next_line = now + report.interval
-        time.sleep(0.5)
-
-
-def endpoint_store(
-    host: str, port: int, timeout: timedelta, is_host: bool | None = None,
-    report: Meeting | None = None, deadline: float | None = None,
-) -> tuple[dist.TCPStore, bool]:
-    """The multi-machine rendezvous store at ``host:port``, and whether this process hosts it.
-
-    The launcher on the machine that owns ``host`` hosts it (the first to bind the port, when
-    several launchers share that machine); the others connect once the port answers.
-    """
-    if is_host is not False and _is_this_machine(host):
-        try:
-            return dist.TCPStore(
-                "" if not _is_ip(host) else host, port, is_master=True, timeout=timeout,
-                wait_for_workers=False, multi_tenant=True,
-            ), True
-        except (RuntimeError, ValueError):  # the port is taken: another launcher hosts it
-            if is_host:
-                raise
-    _reach(host, port, deadline or time.monotonic() + timeout.total_seconds(), report)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, multi_tenant=True), False
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
 _VISITORS_KEY = "lockstep/rdzv/visitors"  # every launcher that reached the store, any job
 _STALE_HEARTBEATS = 3  # keep-alive intervals without a heartbeat: "stopped answering"
 _DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
@@ -248,7 +94,7 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         self._store.set(self._nproc_key(repr(me)), json.dumps(record))
         visit = {"key": repr(me), "host": me.addr, "pid": me.pid,
                  "run_id": self._settings.run_id, "nnodes": meeting.nnodes}
-        self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")
+        self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")  # type: ignore[attr-defined]
 
     def _nproc_key(self, node: str) -> str:
         return f"lockstep/{self._settings.run_id}/nproc/{node}"
@@ -402,7 +248,7 @@ def _meeting(params: RendezvousParameters, hosting: bool) -> Meeting | None:
     )
 
 
-def _handler(cls: type, params: RendezvousParameters, store: Any, hosting: bool,
+def _handler(cls: type[FreshStoreRendezvousHandler], params: RendezvousParameters, store: Any, hosting: bool,
              local_addr: str | None) -> Any:
     handler = cls.from_backend(
         params.run_id,

@@ -109,8 +109,15 @@ def _rendezvous_failure(plan: LaunchPlan, err: RendezvousError) -> str:
     text = str(err)
     if isinstance(err, RendezvousTimeoutError) and text.startswith("no rendezvous at"):
         return f"lockstep run: {text}"
-    if isinstance(err, RendezvousConnectionError) and text.startswith("cannot reach"):
-        return f"lockstep run: {text}"
+    if isinstance(err, RendezvousConnectionError):
+        if text.startswith("cannot reach"):
+            return f"lockstep run: {text}"
+        return (
+            f"lockstep run: lost the rendezvous store at {plan.rdzv_endpoint}: the launcher that "
+            "hosted it (on the machine that owns that address) stopped or cannot be reached, "
+            "and no machine can go on without it. Start the job again (it resumes from its "
+            "last checkpoint), with the endpoint on a machine that stays."
+        )
     return (
         f"lockstep run: the machines could not meet at {plan.rdzv_endpoint} "
         f"({type(err).__name__}: {text}). Check that every machine runs the same "
