@@ -166,6 +166,7 @@ class Meeting:
         self.say = say
         self.interval = report_interval() if interval is None else interval
         self.previous: RoundView | None = None
+        self.last_waiting_view: RoundView | None = None  # what the reports saw last
         self.failure_restarts = 0
 
     # ---- while waiting -------------------------------------------------------------------
@@ -208,7 +209,14 @@ class Meeting:
         return line + (". But " + "; ".join(odd) if odd else "")
 
     def timeout_message(self, view: RoundView, visitors: list[Visitor], me: str) -> str:
-        """The join timeout's error: what was seen, and what to check."""
+        """The join timeout's error: what was seen, and what to check.
+
+        ``view`` is the state after the timeout, which no longer lists this launcher: the
+        last view a waiting line saw is used when it saw more.
+        """
+        seen_last = self.last_waiting_view
+        if seen_last is not None and len(seen_last.hosts()) > len(view.hosts()):
+            view = seen_last
         hosts = view.hosts()
         seen = (f"{_plural(len(hosts), 'machine')} joined ({', '.join(hosts)})"
                 if hosts else "no machine joined")
@@ -243,7 +251,9 @@ class Meeting:
         def report() -> None:
             while not stop.wait(self.interval):
                 try:
-                    line = self.waiting_line(view(), visitors(), me, time.monotonic() - start)
+                    now = view()
+                    self.last_waiting_view = now
+                    line = self.waiting_line(now, visitors(), me, time.monotonic() - start)
                 except Exception:  # a report must never break the rendezvous
                     logger.debug("could not read the rendezvous state", exc_info=True)
                     continue

@@ -92,7 +92,7 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         me = self._this_node
         record = {"nproc": nproc, "host": socket.gethostname()}
         self._store.set(self._nproc_key(repr(me)), json.dumps(record))
-        visit = {"key": repr(me), "host": me.addr, "pid": me.pid,
+        visit = {"key": repr(me), "host": record["host"], "pid": me.pid,
                  "run_id": self._settings.run_id, "nnodes": meeting.nnodes}
         self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")  # type: ignore[attr-defined]
 
