@@ -277,7 +277,9 @@ class Meeting:
             view: the completed round.
             evidence: what this launcher's workers said of peers they lost, by global rank
                 (``lockstep.hang``'s blame records: ``host``, ``step``, ``state``).
-            failed: whether the previous round ended in a failure (a restart counts).
+            failed: whether this launcher's workers failed in the previous round (a restart
+                that counts against ``--max-restarts``); otherwise the round is new because
+                machines joined, left, or restarted their own workers.
             stale_after: seconds without heartbeat after which a launcher "stopped answering".
         """
         lines: list[str] = []
@@ -294,6 +296,8 @@ class Meeting:
             if failed:
                 self.failure_restarts += 1
                 what = f"restart {self.failure_restarts} of {self.max_restarts}"
+            elif len(lines) == 0:
+                what = "new round (another machine restarted its workers)"
             else:
                 what = "new round (membership changed)"
             change = f" (was {was})" if was != world else ""

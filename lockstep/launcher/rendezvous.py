@@ -85,6 +85,16 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     meeting: Meeting | None = None
     hosts_store: bool = False
     log_dir: str | None = None
+    # The agent restarts its workers for one of two reasons: they failed, or it asked
+    # num_nodes_waiting() and machines were waiting to join. Remembering the second tells
+    # them apart, even for a worker killed by a signal that left no error file.
+    _saw_waiting: bool = False
+
+    def num_nodes_waiting(self) -> int:
+        waiting = super().num_nodes_waiting()
+        if waiting > 0:
+            self._saw_waiting = True
+        return waiting
 
     def attach(self, meeting: Meeting, nproc: int, log_dir: str | None) -> None:
         """Report through ``meeting``; publish this launcher's worker count and visit."""
@@ -158,14 +168,13 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     def _announce(self, meeting: Meeting) -> None:
         from lockstep.launcher.errors import attempt_evidence
 
-        evidence, failed_here = attempt_evidence(self.log_dir)
+        evidence, _ = attempt_evidence(self.log_dir)
+        failed_here = meeting.previous is not None and not self._saw_waiting
+        self._saw_waiting = False
         view = self.round_view()
-        before = meeting.previous
-        joined = before is not None and {m.key for m in view.members} - {
-            m.key for m in before.members}
         stale = self._settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
         try:
-            meeting.announce(view, evidence, failed=failed_here or not joined, stale_after=stale)
+            meeting.announce(view, evidence, failed=failed_here, stale_after=stale)
         except Exception:
             logger.debug("could not announce the round", exc_info=True)
 

@@ -1,12 +1,14 @@
 """A paced DDP training run for tests/test_multimachine.py, one launcher per "machine".
 
 Usage: machines.py OUTDIR STEPS [--delay S] [--ckpt DIR --every N] [--mark STEP]
+       [--kill-rank R --kill-at STEP]
 
 Every rank trains a tiny model with lockstep's DDP and DistributedSampler on a fixed dataset,
 sleeping ``--delay`` seconds per step (so a test can kill a machine mid-run). Each attempt's
 rank 0 writes OUTDIR/final_<restart>.pt (the weights) and OUTDIR/world_<restart>.json (the
 world size and the samples every rank saw, in order). With ``--ckpt``, it saves a checkpoint
 every ``--every`` steps and resumes from the newest on a restart, at whatever world size.
+With ``--kill-rank``, that rank SIGKILLs itself after step ``--kill-at``, the first time only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--mark", type=int, default=-1, help="at this step rank 0 writes OUTDIR/reached")
+    parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself once")
+    parser.add_argument("--kill-at", type=int, default=-1, help="... after this step")
     args = parser.parse_args()
     info = lockstep.init_distributed()
     generator = torch.Generator().manual_seed(7)
@@ -58,6 +63,10 @@ def main() -> None:
             seen += [int(i) for i in index]
             if ckpt and step % args.every == 0:
                 ckpt.save(step, epoch=epoch, **objects)
+            killed = Path(args.outdir) / "killed"
+            if step == args.kill_at and info.rank == args.kill_rank and not killed.exists():
+                killed.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
             if step == args.mark and info.rank == 0:
                 (Path(args.outdir) / "reached").write_text(str(step))
             time.sleep(args.delay)
