@@ -105,6 +105,21 @@ def _local_address() -> str:
         return "127.0.0.1"
 
 
+def _hosting(proc: subprocess.Popen, endpoint: str, log: Path) -> None:
+    """Wait until ``proc`` listens at ``endpoint``: it hosts the rendezvous store, and the
+    launchers started next connect to it."""
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listened at {endpoint}")
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     env.update(OMP_NUM_THREADS="1", LOCKSTEP_RDZV_REPORT_INTERVAL="1", **extra)
@@ -179,6 +194,7 @@ def test_two_launchers_c10d_and_static_equal_one_machine(tmp_path):
             *_train(tmp_path / "c10d"), "--ckpt", str(tmp_path / "ckpt-pair"), "--every", "2",
             "--kill-rank", "1", "--kill-at", "3"]
     procs.append(_start(logs["c0"], *pair))
+    _hosting(procs[-1], c10d, logs["c0"])
     time.sleep(2)  # the late machine
     procs.append(_start(logs["c1"], *pair))
     codes = _finish(*procs)
@@ -222,7 +238,8 @@ def test_lost_machine_is_named_and_the_survivor_resumes_at_the_new_world(tmp_pat
             str(SCRIPT), str(out), str(steps), "--delay", "0.15", "--ckpt", str(ckpt),
             "--every", str(every), "--mark", str(mark)]
     survivor = _start(tmp_path / "m0.log", *argv)
-    time.sleep(1)  # machine 0 hosts the rendezvous store: the one machine a job cannot lose
+    # machine 0 hosts the rendezvous store: the one machine a job cannot lose
+    _hosting(survivor, endpoint, tmp_path / "m0.log")
     doomed = _start(tmp_path / "m1.log", *argv, new_session=True)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (out / "reached").exists() and time.monotonic() < deadline:
@@ -267,7 +284,8 @@ def test_wrong_endpoint_and_wrong_job_id_are_named_within_seconds(tmp_path):
     job = _train(tmp_path / "job")
     a = _start(tmp_path / "a.log", *short, "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "jobA", *job)
-    time.sleep(0.5)  # a hosts the store; b gives up first (a host that leaves ends its clients)
+    _hosting(a, f"127.0.0.1:{port}", tmp_path / "a.log")
+    # a hosts the store; b gives up first (a host that leaves ends its clients)
     b = _start(tmp_path / "b.log", "--nnodes", "2", "--rdzv-conf", "join_timeout=2",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "jobB", *job)
     nowhere = f"203.0.113.1:{port}"  # TEST-NET-3: reserved, never answers

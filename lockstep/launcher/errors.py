@@ -50,6 +50,8 @@ _MACHINERY = re.compile(
     r'File "(<frozen runpy>|.*runpy\.py|.*lockstep/launcher/worker\.py|.*multiprocessing/errors)'
 )
 _STDERR_TAIL_LINES = 20
+_NAMED_COLLECTIVE_ERROR = "CollectiveTimeoutError: "
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,17 @@ class Failure:
 
 
 def trim_traceback(callstack: str) -> str:
-    """Drop runpy's and the launcher's frames so the traceback starts in the user's script."""
-    lines = callstack.rstrip().splitlines()
+    """Drop runpy's and the launcher's frames so the traceback starts in the user's script.
+
+    A collective error lockstep named (``CollectiveTimeoutError``: "rank 2 on host-b is gone")
+    keeps only its own traceback: the backend's error it was raised from (gloo's "Connection
+    reset by peer ... GLHF!") names nobody, and its first line is quoted in the message.
+    """
+    text = callstack.rstrip()
+    last_line = text.splitlines()[-1] if text else ""
+    if _NAMED_COLLECTIVE_ERROR in last_line and _TRACEBACK_HEAD in text:
+        text = text[text.rindex(_TRACEBACK_HEAD):]
+    lines = text.splitlines()
     kept: list[str] = []
     skipping = False
     for line in lines:

@@ -74,16 +74,9 @@ def run_script(target: str, args: list[str], as_module: bool = False) -> None:
 
 
 def _traceback_of(exc: BaseException) -> str:
-    """The user's traceback; for a collective whose missing peer lockstep named, only that.
-
-    lockstep's named error (:class:`lockstep.hang.CollectiveTimeoutError`: "rank 2 on host-b
-    is gone") is raised from the backend's own (gloo's "Connection reset by peer ... GLHF!");
-    the backend's story adds nothing but noise, and the named one quotes its first line.
-    """
-    from lockstep.hang import CollectiveTimeoutError
-
-    chain = not isinstance(exc, CollectiveTimeoutError)
-    return trim_traceback("".join(traceback.format_exception(exc, chain=chain)))
+    """The user's traceback, as :func:`~lockstep.launcher.errors.trim_traceback` shows it
+    (without the backend's story behind a collective error lockstep named)."""
+    return trim_traceback("".join(traceback.format_exception(exc)))
 
 
 def main(argv: list[str] | None = None) -> None:
