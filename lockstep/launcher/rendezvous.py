@@ -65,6 +65,7 @@ LOOPBACK_BACKEND = "lockstep-loopback"
 C10D_BACKEND = "lockstep-c10d"
 _VISITORS_KEY = "lockstep/rdzv/visitors"  # every launcher that reached the store, any job
 _STALE_HEARTBEATS = 3  # keep-alive intervals without a heartbeat: "stopped answering"
+_DEPARTED_KEY = "lockstep/rdzv/departed"  # launchers that left, whatever their job
 _DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
 
 
@@ -185,17 +186,26 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         return done
 
     def _leave_in_order(self) -> None:
-        """Count this launcher out; the store's host waits until the others are out too."""
-        key = f"lockstep/{self._settings.run_id}/departed"
+        """Count this launcher out; the store's host waits until the others are out too.
+
+        "The others": this job's launchers still in the rendezvous, and launchers of other
+        jobs (another ``--rdzv-id`` or ``--nnodes``) that reached this store, which would
+        otherwise meet a vanished store on their way out. One that died never counts itself
+        out, so the wait is bounded.
+        """
         try:
-            left = self._store.add(key, 1)
-            if not self.hosts_store:
+            left = self._store.add(_DEPARTED_KEY, 1)
+            if not self.hosts_store or self.meeting is None:
                 return
-            expected = len(self._state_holder.state.participants) or 1
+            state = self._state_holder.state
+            ours = {repr(n) for n in [*state.participants, *state.wait_list]}
+            ours.add(repr(self._this_node))
+            strangers = self.meeting.strangers(self.visitors(), repr(self._this_node))
+            expected = len(ours) + len(strangers)
             deadline = time.monotonic() + _DEPARTURE_WAIT_S
             while left < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
-                left = self._store.add(key, 0)
+                left = self._store.add(_DEPARTED_KEY, 0)
         except Exception:
             logger.debug("orderly departure failed", exc_info=True)
 
