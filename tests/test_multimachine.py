@@ -53,6 +53,8 @@ def test_waiting_line_and_timeout_name_what_was_seen():
                            "1 of 2 joined (host-a) after 30 s; giving up at 600 s")
     assert "a launcher on host-b (pid 2) reached this endpoint with --rdzv-id train8" in line
     assert "a launcher on host-c (pid 3) asked for --nnodes 3 (this one: 2)" in line
+    elastic = _meeting([], min_nodes=1).waiting_line(view, [], me, 3)
+    assert "1 joined (1 needed, up to 2) (host-a) after 3 s" in elastic
     error = meeting.timeout_message(view, visitors[:1], me)
     assert "no rendezvous at 10.0.0.1:29400 (job train7) within 600 s: 1 machine joined " \
            "(host-a) of the 2 needed; no other launcher reached the endpoint." in error
@@ -304,3 +306,32 @@ def test_wrong_endpoint_and_wrong_job_id_are_named_within_seconds(tmp_path):
     assert f"no rendezvous at 127.0.0.1:{port} (job jobB) within 2 s" in b_text
     assert f"waiting for the rendezvous at {nowhere} (job jobA): cannot reach it yet" in c_text
     assert f"cannot reach the rendezvous at {nowhere}" in c_text
+
+
+@pytest.mark.multimachine
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_a_machine_joining_an_elastic_job_is_announced(tmp_path):
+    """--nnodes 1:2: machine 0 starts alone; machine 1 joins mid-run. Both say who joined and
+    the new world, and the job finishes at world 2 from the newest checkpoint."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    argv = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", "grow", "--rdzv-conf", "last_call_timeout=1",
+            str(SCRIPT), str(out), "16", "--delay", "0.15", "--ckpt", str(ckpt), "--mark", "3"]
+    first = _start(tmp_path / "m0.log", *argv)
+    _hosting(first, endpoint, tmp_path / "m0.log")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (out / "reached").exists() and time.monotonic() < deadline:
+        assert first.poll() is None, (tmp_path / "m0.log").read_text()
+        time.sleep(0.1)
+    second = _start(tmp_path / "m1.log", *argv)
+    codes = _finish(first, second)
+    texts = [_clean(tmp_path / f"m{i}.log") for i in (0, 1)]
+    assert codes == [0, 0], texts
+    assert f"1 machine met at {endpoint} (job grow): machine 0 (" in texts[0]
+    assert ", rank 1) joined" in texts[0]
+    assert "new round (membership changed) with 2 machines, world 2 (was 1)" in texts[0]
+    # A join is not a restart: torch does not count it, and the workers see restart count 0.
+    finished = json.loads((out / "world_0.json").read_text())
+    assert finished["world"] == 2 and finished["start"] > 0, finished

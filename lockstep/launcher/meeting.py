@@ -199,7 +199,10 @@ class Meeting:
                      waited_s: float) -> str:
         """``waiting for machines at 10.0.0.1:29400 (job train7): 1 of 2 joined ...``."""
         hosts = view.hosts()
-        joined = f"{len(hosts)} of {self._needed()} joined"
+        if self.min_nodes == self.max_nodes:
+            joined = f"{len(hosts)} of {self.max_nodes} joined"
+        else:
+            joined = f"{len(hosts)} joined ({self.min_nodes} needed, up to {self.max_nodes})"
         if hosts:
             joined += f" ({', '.join(hosts)})"
         where = "hosted here" if self.hosting else "store reached"
