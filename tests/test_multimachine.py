@@ -35,10 +35,9 @@ NOISE = ("frame #", "failed to shutdown the rendezvous", "GLHF", "recvVector", "
 # ---------------------------------------------------------------------- pure formatting
 
 
-def _meeting(lines: list[str], **kw) -> Meeting:
-    args = {"endpoint": "10.0.0.1:29400", "run_id": "train7", "min_nodes": 2, "max_nodes": 2,
-                "join_timeout": 600, "hosting": True, "max_restarts": 2, "say": lines.append, "interval": 5}
-    return Meeting(**(args | kw))
+def _meeting(lines: list[str], min_nodes: int = 2) -> Meeting:
+    return Meeting("10.0.0.1:29400", "train7", min_nodes=min_nodes, max_nodes=2, join_timeout=600,
+                   hosting=True, max_restarts=2, say=lines.append, interval=5)
 
 
 def test_waiting_line_and_timeout_name_what_was_seen():
