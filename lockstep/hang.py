@@ -156,7 +156,9 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
 def _store_gone(me: int, op: str, cause: Exception, waited: float) -> CollectiveTimeoutError:
     """The store cannot be read: its host is gone (rank 0, or the launcher's agent)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        host, blamed = "the launcher that hosts the job's store", []
+        where = os.environ.get("MASTER_ADDR")
+        host, blamed = (f"the launcher that hosts the job's store (machine 0"
+                        f"{', at ' + where if where else ''})"), []
     else:
         host, blamed = "rank 0, which hosts the job's store,", [0]
     message = (

@@ -7,6 +7,8 @@
   or fixtures (within tests/) use ``spawn``, ``subprocess`` or ``multiprocessing``; a test that
   starts a process some other way must carry ``@pytest.mark.multirank`` itself, and fails
   loudly if it does not (see ``_processes_only_in_multirank``).
+- Tests that stand several launchers on this host in for several machines carry
+  ``@pytest.mark.multimachine`` (and ``multirank``): ``pytest -m multimachine``.
 - GPU tests carry ``@pytest.mark.gpu`` and are skipped without CUDA.
 """
 

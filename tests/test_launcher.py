@@ -24,7 +24,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from lockstep.cli import build_parser, main
-from lockstep.launcher import config, errors, rendezvous
+from lockstep.launcher import config, errors, rendezvous, stores
 from lockstep.launcher.output import OutputRelay, PrefixWriter
 from lockstep.launcher.run import scoped_environ
 
@@ -278,7 +278,7 @@ def test_loopback_store_listens_on_127_0_0_1_and_is_shared(libuv, monkeypatch):
     from datetime import timedelta
 
     # torch < 2.8 takes the classic store's path; check both on this torch.
-    monkeypatch.setattr(rendezvous, "_LIBUV_TAKES_LISTEN_FD", libuv)
+    monkeypatch.setattr(stores, "_LIBUV_TAKES_LISTEN_FD", libuv)
 
     server = rendezvous.loopback_store(0, timedelta(seconds=10))
     assert _listening_hosts(server.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
@@ -304,6 +304,21 @@ def test_trim_traceback_keeps_the_users_frames():
         '  File "train.py", line 2, in <module>\n    1 / 0\n'
         "ZeroDivisionError: division by zero"
     )
+
+
+def test_trim_traceback_shows_a_named_collective_error_without_the_backends_story():
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "/site/lockstep/hang.py", line 115, in wait\n    return future.wait()\n'
+        "RuntimeError: Read error: Connection reset by peer. GLHF!\n\n"
+        "The above exception was the direct cause of the following exception:\n\n"
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 9, in <module>\n    loss.backward()\n'
+        "lockstep.hang.CollectiveTimeoutError: rank 0: ... rank 1 on host-b is gone"
+    )
+    trimmed = errors.trim_traceback(text)
+    assert "GLHF" not in trimmed and trimmed.startswith("Traceback (most recent call last):")
+    assert trimmed.endswith("rank 1 on host-b is gone")
 
 
 # ------------------------------------------------------------------------------------ output
@@ -360,6 +375,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _lockstep_run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lockstep", "run", *argv],
+        check=False,
         env=env or _env(),
         capture_output=True,
         text=True,
@@ -552,6 +568,7 @@ def test_two_nodes_on_loopback_form_one_world_of_four(tmp_path):
 def test_the_same_script_runs_under_plain_python(tmp_path):
     done = subprocess.run(
         [sys.executable, str(JOB), "ok", str(tmp_path)],
+        check=False,
         env=_env(),
         capture_output=True,
         text=True,

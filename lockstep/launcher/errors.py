@@ -31,6 +31,7 @@ from lockstep.hang import read_blame
 
 __all__ = [
     "Failure",
+    "attempt_evidence",
     "exit_code_for",
     "failures_from",
     "format_report",
@@ -49,6 +50,8 @@ _MACHINERY = re.compile(
     r'File "(<frozen runpy>|.*runpy\.py|.*lockstep/launcher/worker\.py|.*multiprocessing/errors)'
 )
 _STDERR_TAIL_LINES = 20
+_NAMED_COLLECTIVE_ERROR = "CollectiveTimeoutError: "
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,17 @@ class Failure:
 
 
 def trim_traceback(callstack: str) -> str:
-    """Drop runpy's and the launcher's frames so the traceback starts in the user's script."""
-    lines = callstack.rstrip().splitlines()
+    """Drop runpy's and the launcher's frames so the traceback starts in the user's script.
+
+    A collective error lockstep named (``CollectiveTimeoutError``: "rank 2 on host-b is gone")
+    keeps only its own traceback: the backend's error it was raised from (gloo's "Connection
+    reset by peer ... GLHF!") names nobody, and its first line is quoted in the message.
+    """
+    text = callstack.rstrip()
+    last_line = text.splitlines()[-1] if text else ""
+    if _NAMED_COLLECTIVE_ERROR in last_line and _TRACEBACK_HEAD in text:
+        text = text[text.rindex(_TRACEBACK_HEAD):]
+    lines = text.splitlines()
     kept: list[str] = []
     skipping = False
     for line in lines:
@@ -115,6 +127,31 @@ def _stderr_tail(log_dir: str | None, local_rank: int) -> str:
     newest = max(paths, key=_attempt_number)
     with open(newest, errors="replace") as fh:
         return "".join(fh.readlines()[-_STDERR_TAIL_LINES:]).rstrip()
+
+
+def attempt_evidence(log_dir: str | None) -> tuple[dict[int, dict[str, Any]], bool]:
+    """What this launcher's workers said in their newest attempt, read from its log folder.
+
+    Returns the peers they blamed (global rank -> ``host``, ``step``, ``state``, from
+    :mod:`lockstep.hang`'s blame files), and whether any worker left an error file (the
+    attempt ended in a failure rather than being stopped for a membership change).
+    """
+    if not log_dir:
+        return {}, False
+    folders = glob.glob(os.path.join(log_dir, "*", "attempt_*"))
+    if not folders:
+        return {}, False
+    newest = max(folders, key=_attempt_number)
+    blamed: dict[int, dict[str, Any]] = {}
+    failed = False
+    for worker in glob.glob(os.path.join(newest, "*")):
+        error_file = os.path.join(worker, "error.json")
+        failed = failed or os.path.exists(error_file)
+        verdict = read_blame(error_file)
+        for culprit in (verdict or {}).get("culprits", []):
+            if isinstance(culprit.get("rank"), int):
+                blamed.setdefault(culprit["rank"], culprit)
+    return blamed, failed or bool(blamed)
 
 
 def _from_process_failure(rank: int, pf: ProcessFailure, log_dir: str | None) -> Failure:

@@ -274,6 +274,12 @@ def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
     lines there.
     """
     logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)
+    configs: dict = dict(plan.rdzv_configs)
+    if plan.rdzv_backend in (LOOPBACK_BACKEND, C10D_BACKEND) and plan.max_nodes > 1:
+        # lockstep's rendezvous then says what it waits for and who joined or left
+        # (lockstep.launcher.meeting); a single machine has nobody to wait for.
+        configs.update(lockstep_nproc=plan.nproc_per_node, lockstep_log_dir=log_dir,
+                       lockstep_max_restarts=plan.max_restarts)
     return LaunchConfig(
         min_nodes=plan.min_nodes,
         max_nodes=plan.max_nodes,
@@ -283,7 +289,7 @@ def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
         role="default",  # torchrun's ROLE_NAME
         rdzv_endpoint=plan.rdzv_endpoint,
         rdzv_backend=plan.rdzv_backend,
-        rdzv_configs=dict(plan.rdzv_configs),
+        rdzv_configs=configs,
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,
         local_addr=plan.local_addr,

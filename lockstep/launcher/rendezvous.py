@@ -1,42 +1,50 @@
 """lockstep's rendezvous: torch's c10d rendezvous, restart-safe, and on loopback for one machine.
 
 Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over its
-``C10dRendezvousBackend``, registered in torch's rendezvous registry, with two changes:
+``C10dRendezvousBackend``, registered in torch's rendezvous registry, with these changes:
 
 - Restarts work: the workers' bootstrap store is recreated before every round (see
   :class:`FreshStoreRendezvousHandler`).
-- ``lockstep-loopback`` (endpoints on 127.0.0.1/localhost): torch's ``TCPStore`` servers
-  listen on every network interface, even for ``localhost:0``, so anyone who can reach the
-  machine could read or write the job's rendezvous state. Here lockstep binds the listening
-  socket to 127.0.0.1 itself and hands it to the store (``master_listen_fd``). Several agents
-  on one machine (``--nnodes 2`` on loopback) share it: the first binds the port and hosts the
-  store, the others connect.
-- ``lockstep-c10d`` (any other endpoint): torch's stores, reachable by the other machines.
+- ``lockstep-loopback`` (endpoints on 127.0.0.1/localhost): every store listens on 127.0.0.1
+  only; ``lockstep-c10d`` (any other endpoint): the launcher on the machine that owns the
+  address hosts the store (see :mod:`~lockstep.launcher.stores`).
+- Both talk (:mod:`~lockstep.launcher.meeting`): a line every few seconds while waiting, a
+  timeout that says what was seen, and the machines that joined or left at each round.
+- The store's host leaves last: at shutdown every launcher counts itself out and the host
+  waits for them (briefly), so that no launcher's last words meet a store that is gone (a C++
+  stack trace and "failed to shutdown the rendezvous" after a good job).
 """
 
 from __future__ import annotations
 
-import errno
-import ipaddress
+import json
 import logging
 import socket
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
+    RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-    create_backend,
-)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from lockstep.launcher.meeting import Meeting, Member, RoundView, Visitor, say_on_stderr
+from lockstep.launcher.stores import (
+    LOOPBACK_HOST,
+    endpoint_store,
+    is_loopback_host,
+    loopback_store,
+    open_loopback_store,
+)
 
 __all__ = [
     "C10D_BACKEND",
@@ -44,8 +52,10 @@ __all__ = [
     "LOOPBACK_HOST",
     "FreshStoreRendezvousHandler",
     "LoopbackRendezvousHandler",
+    "endpoint_store",
     "is_loopback_host",
     "loopback_store",
+    "open_loopback_store",
     "register_backends",
 ]
 
@@ -53,68 +63,10 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK_BACKEND = "lockstep-loopback"
 C10D_BACKEND = "lockstep-c10d"
-LOOPBACK_HOST = "127.0.0.1"
-_LISTEN_BACKLOG = 512  # every worker and agent of the job may connect at once
-# torch's libuv store serves a listening socket handed to it only from 2.8 on
-# (pytorch/pytorch#150215); older versions need the classic store for that.
-_LIBUV_TAKES_LISTEN_FD = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (``127.x.y.z``, ``::1``)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind_loopback(port: int) -> socket.socket | None:
-    """A listening socket on 127.0.0.1:``port``, or None when another agent already has it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        # Lets a fixed --rdzv-endpoint port be reused right after the previous job ended.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK_HOST, port))
-        sock.listen(_LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE and port != 0:
-            return None
-        raise RuntimeError(
-            f"cannot listen on {LOOPBACK_HOST}:{port} for the rendezvous: {exc}"
-        ) from exc
-    return sock
-
-
-def loopback_store(port: int, timeout: timedelta, host: bool | None = None) -> dist.TCPStore:
-    """A multi-tenant ``TCPStore`` on 127.0.0.1:``port``, hosted here unless another process is.
-
-    Args:
-        port: the port; 0 picks a free one (and always hosts).
-        timeout: how long store operations wait.
-        host: force hosting (True) or connecting (False); by default host if the port is free.
-    """
-    sock = _bind_loopback(port) if host is not False else None
-    if sock is None:
-        if host:
-            raise RuntimeError(f"{LOOPBACK_HOST}:{port} is taken; cannot host the rendezvous store")
-        return dist.TCPStore(
-            LOOPBACK_HOST, port, is_master=False, timeout=timeout, multi_tenant=True
-        )
-    bound_port = sock.getsockname()[1]
-    # The store takes ownership of the descriptor, so Python must not close it.
-    return dist.TCPStore(
-        LOOPBACK_HOST,
-        bound_port,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=sock.detach(),
-        use_libuv=_LIBUV_TAKES_LISTEN_FD,
-    )
+_VISITORS_KEY = "lockstep/rdzv/visitors"  # every launcher that reached the store, any job
+_STALE_HEARTBEATS = 3  # keep-alive intervals without a heartbeat: "stopped answering"
+_DEPARTED_KEY = "lockstep/rdzv/departed"  # launchers that left, whatever their job
+_DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
 
 
 class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
@@ -126,12 +78,136 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     previous attempt's addresses and fails to connect (torchrun's ``--max-restarts`` breaks
     the same way). Forgetting the store before each round makes rank 0 host a fresh one;
     on torch versions without these attributes, setting them changes nothing.
+
+    With a :class:`~lockstep.launcher.meeting.Meeting` attached (:meth:`attach`), it also
+    reports while waiting and at each round, and orders its shutdown (see the module).
     """
 
+    meeting: Meeting | None = None
+    hosts_store: bool = False
+    log_dir: str | None = None
+    # The agent restarts its workers for one of two reasons: they failed, or it asked
+    # num_nodes_waiting() and machines were waiting to join. Remembering the second tells
+    # them apart, even for a worker killed by a signal that left no error file.
+    _saw_waiting: bool = False
+
+    def num_nodes_waiting(self) -> int:
+        waiting = super().num_nodes_waiting()
+        if waiting > 0:
+            self._saw_waiting = True
+        return waiting
+
+    def attach(self, meeting: Meeting, nproc: int, log_dir: str | None) -> None:
+        """Report through ``meeting``; publish this launcher's worker count and visit."""
+        self.meeting, self.log_dir = meeting, log_dir
+        me = self._this_node
+        record = {"nproc": nproc, "host": socket.gethostname()}
+        self._store.set(self._nproc_key(repr(me)), json.dumps(record))
+        visit = {"key": repr(me), "host": record["host"], "pid": me.pid,
+                 "run_id": self._settings.run_id, "nnodes": meeting.nnodes}
+        self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")  # type: ignore[attr-defined]
+
+    def _nproc_key(self, node: str) -> str:
+        return f"lockstep/{self._settings.run_id}/nproc/{node}"
+
+    # ---- what the reports read -----------------------------------------------------------
+    def round_view(self) -> RoundView:
+        """A plain snapshot of the rendezvous state this launcher last synced."""
+        state = self._state_holder.state
+        now = datetime.now(timezone.utc)
+        records = self._records([repr(n) for n in [*state.participants, *state.wait_list]])
+
+        def member(node: Any, rank: int) -> Member:
+            record = records.get(repr(node), {})
+            return Member(repr(node), record.get("host", node.addr), rank, record.get("nproc"))
+
+        members = tuple(member(n, r) for n, r in sorted(state.participants.items(),
+                                                          key=lambda item: item[1]))
+        waiting = tuple(member(n, -1) for n in state.wait_list)
+        ages = {repr(n): (now - t).total_seconds() for n, t in state.last_heartbeats.items()}
+        return RoundView(state.round, state.complete, members, waiting, ages)
+
+    def _records(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        """What each launcher published of itself (host name, worker count)."""
+        found = {}
+        for node in nodes:
+            key = self._nproc_key(node)
+            if self._store.check([key]):
+                found[node] = json.loads(self._store.get(key))
+        return found
+
+    def visitors(self) -> list[Visitor]:
+        if not self._store.check([_VISITORS_KEY]):
+            return []
+        found = []
+        for line in self._store.get(_VISITORS_KEY).decode().splitlines():
+            try:
+                v = json.loads(line)
+                found.append(Visitor(v["key"], v["host"], int(v["pid"]), v["run_id"], v["nnodes"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    # ---- the rendezvous ------------------------------------------------------------------
     def next_rendezvous(self):
         self._shared_tcp_store_server = None
         self._bootstrap_store_info = None
-        return super().next_rendezvous()
+        meeting = self.meeting
+        if meeting is None:
+            return super().next_rendezvous()
+        me = repr(self._this_node)
+        try:
+            with meeting.waiting(self.round_view, self.visitors, me):
+                info = super().next_rendezvous()
+        except RendezvousTimeoutError as err:
+            raise RendezvousTimeoutError(
+                meeting.timeout_message(self.round_view(), self.visitors(), me)
+            ) from err
+        self._announce(meeting)
+        return info
+
+    def _announce(self, meeting: Meeting) -> None:
+        from lockstep.launcher.errors import attempt_evidence
+
+        evidence, _ = attempt_evidence(self.log_dir)
+        failed_here = meeting.previous is not None and not self._saw_waiting
+        self._saw_waiting = False
+        view = self.round_view()
+        stale = self._settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
+        try:
+            meeting.announce(view, evidence, failed=failed_here, stale_after=stale)
+        except Exception:
+            logger.debug("could not announce the round", exc_info=True)
+
+    def shutdown(self) -> bool:
+        done = super().shutdown()
+        if self.meeting is not None:
+            self._leave_in_order()
+        return done
+
+    def _leave_in_order(self) -> None:
+        """Count this launcher out; the store's host waits until the others are out too.
+
+        "The others": this job's launchers still in the rendezvous, and launchers of other
+        jobs (another ``--rdzv-id`` or ``--nnodes``) that reached this store, which would
+        otherwise meet a vanished store on their way out. One that died never counts itself
+        out, so the wait is bounded.
+        """
+        try:
+            left = self._store.add(_DEPARTED_KEY, 1)
+            if not self.hosts_store or self.meeting is None:
+                return
+            state = self._state_holder.state
+            ours = {repr(n) for n in [*state.participants, *state.wait_list]}
+            ours.add(repr(self._this_node))
+            strangers = self.meeting.strangers(self.visitors(), repr(self._this_node))
+            expected = len(ours) + len(strangers)
+            deadline = time.monotonic() + _DEPARTURE_WAIT_S
+            while left < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self._store.add(_DEPARTED_KEY, 0)
+        except Exception:
+            logger.debug("orderly departure failed", exc_info=True)
 
     def get_backend(self) -> str:
         """The registry checks that a handler serves the backend it was asked for."""
@@ -163,6 +239,53 @@ def _rendezvous_timeout(params: RendezvousParameters) -> RendezvousTimeout:
     )
 
 
+def _keep_alive(params: RendezvousParameters) -> dict[str, Any]:
+    """``keep_alive_interval`` / ``keep_alive_max_attempt`` from ``--rdzv-conf``, if given."""
+    found: dict[str, Any] = {}
+    interval = params.get_as_int("keep_alive_interval")
+    if interval is not None:
+        found["keep_alive_interval"] = interval
+    attempts = params.get_as_int("keep_alive_max_attempt")
+    if attempts is not None:
+        found["keep_alive_max_attempt"] = attempts
+    return found
+
+
+def _meeting(params: RendezvousParameters, hosting: bool) -> Meeting | None:
+    """The reporter for a launch that asked for one (``lockstep run`` sets ``lockstep_nproc``)."""
+    if params.get("lockstep_nproc") is None:
+        return None
+    return Meeting(
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        join_timeout=_rendezvous_timeout(params).join.total_seconds(),
+        hosting=hosting,
+        max_restarts=params.get_as_int("lockstep_max_restarts", 0) or 0,
+        say=say_on_stderr,
+    )
+
+
+def _handler(cls: type[FreshStoreRendezvousHandler], params: RendezvousParameters, store: Any, hosting: bool,
+             local_addr: str | None) -> Any:
+    handler = cls.from_backend(
+        params.run_id,
+        store,
+        C10dRendezvousBackend(store, params.run_id),
+        params.min_nodes,
+        params.max_nodes,
+        local_addr=local_addr,
+        timeout=_rendezvous_timeout(params),
+        **_keep_alive(params),
+    )
+    handler.hosts_store = hosting
+    meeting = _meeting(params, hosting)
+    if meeting is not None:
+        handler.attach(meeting, int(params.get("lockstep_nproc")), params.get("lockstep_log_dir"))
+    return handler
+
+
 def create_loopback_handler(params: RendezvousParameters) -> LoopbackRendezvousHandler:
     """Build the loopback handler from launcher parameters (the registry's creator)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
@@ -172,31 +295,20 @@ def create_loopback_handler(params: RendezvousParameters) -> LoopbackRendezvousH
             f"use the {C10D_BACKEND} rendezvous for a multi-machine endpoint"
         )
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
-    store = loopback_store(port, read_timeout, params.get_as_bool("is_host"))
-    backend = C10dRendezvousBackend(store, params.run_id)
-    return LoopbackRendezvousHandler.from_backend(
-        params.run_id,
-        store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        local_addr=params.local_addr or LOOPBACK_HOST,
-        timeout=_rendezvous_timeout(params),
-    )
+    store, hosting = open_loopback_store(port, read_timeout, params.get_as_bool("is_host"))
+    return _handler(LoopbackRendezvousHandler, params, store, hosting,
+                    params.local_addr or LOOPBACK_HOST)
 
 
 def create_c10d_handler(params: RendezvousParameters) -> FreshStoreRendezvousHandler:
-    """torch's c10d rendezvous (stores reachable by other machines), restart-safe."""
-    backend, store = create_backend(params)
-    return FreshStoreRendezvousHandler.from_backend(
-        params.run_id,
-        store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        local_addr=params.local_addr,
-        timeout=_rendezvous_timeout(params),
-    )
+    """The c10d rendezvous at a multi-machine endpoint, hosted by the machine that owns it."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    report = _meeting(params, hosting=False)
+    deadline = time.monotonic() + _rendezvous_timeout(params).join.total_seconds()
+    store, hosting = endpoint_store(host, port, read_timeout, params.get_as_bool("is_host"),
+                                    report, deadline)
+    return _handler(FreshStoreRendezvousHandler, params, store, hosting, params.local_addr)
 
 
 def register_backends() -> None:

@@ -20,7 +20,11 @@ from collections.abc import Iterator, Mapping
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import elastic_launch
 
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
@@ -95,11 +99,27 @@ def launch(plan: LaunchPlan) -> int:
             print(f"lockstep run: stopped by {name}; every worker was stopped.", file=sys.stderr)
             return 128 + int(err.sigval)
         except RendezvousError as err:
-            print(
-                f"lockstep run: the machines could not meet at {plan.rdzv_endpoint} "
-                f"({type(err).__name__}: {err}). Check that every machine runs the same "
-                "--nnodes and --rdzv-endpoint and can reach that address.",
-                file=sys.stderr,
-            )
+            print(_rendezvous_failure(plan, err), file=sys.stderr, flush=True)
             return 1
     return 0
+
+
+def _rendezvous_failure(plan: LaunchPlan, err: RendezvousError) -> str:
+    """The message for machines that could not meet; lockstep's own errors say what was seen."""
+    text = str(err)
+    if isinstance(err, RendezvousTimeoutError) and text.startswith("no rendezvous at"):
+        return f"lockstep run: {text}"
+    if isinstance(err, RendezvousConnectionError):
+        if text.startswith("cannot reach"):
+            return f"lockstep run: {text}"
+        return (
+            f"lockstep run: lost the rendezvous store at {plan.rdzv_endpoint}: the launcher that "
+            "hosted it (on the machine that owns that address) stopped or cannot be reached, "
+            "and no machine can go on without it. Start the job again (it resumes from its "
+            "last checkpoint), with the endpoint on a machine that stays."
+        )
+    return (
+        f"lockstep run: the machines could not meet at {plan.rdzv_endpoint} "
+        f"({type(err).__name__}: {text}). Check that every machine runs the same "
+        "--nnodes, --rdzv-id and --rdzv-endpoint and can reach that address."
+    )

@@ -73,6 +73,12 @@ def run_script(target: str, args: list[str], as_module: bool = False) -> None:
     runpy.run_path(target, run_name="__main__")
 
 
+def _traceback_of(exc: BaseException) -> str:
+    """The user's traceback, as :func:`~lockstep.launcher.errors.trim_traceback` shows it
+    (without the backend's story behind a collective error lockstep named)."""
+    return trim_traceback("".join(traceback.format_exception(exc)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m lockstep.launcher.worker [-m] TARGET [ARGS...]``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -85,10 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     _announce_rank()
     try:
         run_script(argv[0], argv[1:], as_module)
-    except Exception:  # noqa: BLE001 - any failure of the user's script is reported
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's script is reported
         # Printed here rather than by Python's hook: torch.distributed's hook prefixes each
         # line with the rank, which the launcher already does.
-        print(trim_traceback(traceback.format_exc()), file=sys.stderr, flush=True)
+        print(_traceback_of(exc), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker; the launcher reports it once.
