@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -115,7 +116,7 @@ def test_last_bucket_is_always_exposed():
     w = Workload(parameters=1000, grad_dtype="float32", forward=1.0, backward=2.0,
                  buckets=(Bucket(2e6, 1.0), Bucket(2e6, 2.0)))
     link = Link("slow", 0.0, 1e6)  # 2 MB all-reduce on 2 ranks: 2 s
-    p = predict(w, Topology(link, 2), 2, parse_strategy("ddp"))
+    p = predict(w, Topology(link, 2), 2, parse_strategy("ddp"), PlanOptions(codec_bandwidth=1e30))
     # bucket 0: 1 -> 3; bucket 1: max(2, 3) -> 5; backward ends at 2: 3 s exposed.
     assert p.exposed_comm_s == pytest.approx(3.0)
     assert p.step_s == pytest.approx(1 + 2 + 3)
@@ -127,10 +128,11 @@ def test_compression_scales_bytes_and_adds_codec_time():
     w = Workload(parameters=1000, grad_dtype="float32", forward=1.0, backward=2.0, device="cpu",
                  buckets=(Bucket(2e6, 2.0),))
     topo = Topology(Link("slow", 0.0, 1e6), 2)
-    full = predict(w, topo, 2, parse_strategy("ddp"))
+    full = predict(w, topo, 2, parse_strategy("ddp"), PlanOptions(codec_bandwidth=4e6))
     half = predict(w, topo, 2, parse_strategy("ddp-bf16"), PlanOptions(codec_bandwidth=3e6))
-    # 1 MB sent (1 s) + encode and decode of 3 MB each at 3 MB/s (1 s each).
-    assert full.exposed_comm_s == pytest.approx(2.0)
+    # Plain: 2 MB sent (2 s) + the copies into and out of the bucket, 4 MB each at 4 MB/s (1 s each).
+    assert full.exposed_comm_s == pytest.approx(4.0)
+    # Compressed: 1 MB sent (1 s) + encode and decode of 3 MB each at 3 MB/s (1 s each).
     assert half.exposed_comm_s == pytest.approx(3.0)
 
 
@@ -306,3 +308,31 @@ def test_doctor_profile_at_world_one_gives_the_buckets_ddp_would_send(tmp_path):
     assert doc["buckets"][-1]["last_param"] in ("0.weight", "0.bias")
     assert sum(b["bytes"] for b in doc["buckets"]) == w.grad_bytes
     assert all(b["allreduce"] == 0 and b["exposed"] == 0 for b in doc["buckets"])  # nothing sent
+
+
+def test_cpu_ranks_time_share_the_cores():
+    """With more CPU work than cores, the step is ranks x (compute + link) / cores, no overlap."""
+    from lockstep.plan.links import Link, Topology
+    from lockstep.plan.model import PlanOptions, predict
+    from lockstep.plan.strategies import parse_strategy
+    from lockstep.plan.workload import Bucket, Workload
+
+    w = Workload(parameters=1_000_000, grad_dtype="float32", forward=0.010, backward=0.020,
+                 optimizer=0.002, data=0.001, other=0.0, batch_size=8,
+                 buckets=(Bucket(2e6, 0.005), Bucket(2e6, 0.020)), device="cpu")
+    link = Link("loopback", 1e-4, 1e9)
+    ddp = parse_strategy("ddp")
+    plain = predict(w, Topology(link, 4), 2, ddp)
+    one_each = predict(w, Topology(link, 4), 2, ddp, PlanOptions(cpu_cores=4))
+    shared = predict(w, Topology(link, 4), 3, ddp, PlanOptions(cpu_cores=2))
+    assert plain is not None and one_each is not None and shared is not None
+    assert one_each.step_s == plain.step_s  # enough cores: the ordinary overlap model
+    compute = 0.010 + 0.020 + 0.002
+    copies = 2 * 2 * (2e6 + 2e6) / 5e9  # into and out of both buckets at 5 GB/s (CPU default)
+    assert shared.step_s == pytest.approx(0.001 + 3 * (compute + shared.comm_s + copies) / 2)
+    assert shared.binding == "cpu cores (3 ranks on 2)"
+    assert shared.exposed_comm_s > plain.exposed_comm_s
+    gpu = predict(replace(w, device="cuda"), Topology(link, 4), 3, ddp, PlanOptions(cpu_cores=2))
+    assert gpu is not None and gpu.binding != shared.binding  # GPU profiles ignore cpu_cores
+    with pytest.raises(ValueError, match="cpu_cores"):
+        PlanOptions(cpu_cores=0)

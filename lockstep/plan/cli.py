@@ -59,6 +59,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "mixed", "fp32"],
                         help="model-state precision for memory (auto: from the gradient dtype)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GB per GPU")
+    parser.add_argument("--cpu-cores", type=int, default=None, metavar="N",
+                        help="CPU profiles: cores per node, which the ranks and their "
+                             "communication time-share (default: a core per rank)")
     what_if = parser.add_argument_group("what-if, without a profile")
     what_if.add_argument("--params", type=parse_count, help="parameter count, e.g. 125M, 1.3B")
     what_if.add_argument("--step-time", type=float, help="measured forward+backward seconds")
@@ -117,7 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
         options = PlanOptions(
             optimizer=args.optimizer,
             mixed_precision=None if args.precision == "auto" else args.precision == "mixed",
-            gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None)
+            gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None,
+            cpu_cores=args.cpu_cores)
         result = plan(workload, topology, args.gpus, args.strategies, options)
     except (ValueError, OSError) as err:
         print(f"lockstep plan: error: {err}", file=sys.stderr)

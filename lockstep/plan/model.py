@@ -40,12 +40,23 @@ class PlanOptions:
         gpu_memory: bytes per GPU; strategies whose model states exceed it are marked "no fit".
         codec_bandwidth: bytes/s at which a GPU casts gradients for compression (read + write);
             ``None``: 2 TB/s on CUDA (about 60% of an H100's HBM3), 5 GB/s on CPU.
+        cpu_cores: for a CPU profile, the cores of one node. Each CPU rank computes on one
+            thread and its communication (gloo's copies, sums and loopback sends) is CPU work
+            too: when a node's ranks and their communication need more cores than it has, they
+            time-share them, so the step is at least ``ranks_per_node * (compute + link time) /
+            cpu_cores`` and communication hides behind nothing. ``None``: cores are not counted
+            (a device per rank, as with GPUs). Ignored for GPU profiles.
     """
 
     optimizer: str = "adam"
     mixed_precision: bool | None = None
     gpu_memory: float | None = None
     codec_bandwidth: float | None = None
+    cpu_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_cores is not None and self.cpu_cores < 1:
+            raise ValueError(f"cpu_cores must be >= 1 (the cores of one node), got {self.cpu_cores}")
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,16 @@ def _codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
 
 
 def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Strategy,
-                   options: PlanOptions) -> tuple[float, float, list[Cost], float]:
-    """(exposed seconds after backward, link seconds, the costs, last bucket's cost)."""
+                   options: PlanOptions) -> tuple[float, float, list[Cost], float, float]:
+    """(exposed seconds after backward, link seconds, the costs, last bucket's cost, copy seconds).
+
+    Every bucket is copied twice besides its collective: the gradients into the flat bucket
+    (cast to the wire dtype when compressed) and the result back into the gradients, each a
+    read and a write at ``codec_bandwidth`` (negligible on a GPU, not on a CPU).
+    """
     buckets = workload.buckets  # launch order: a bucket waits for the one before it
     if strategy.averages_parameters or strategy.data_parallel or world <= 1:
-        return 0.0, 0.0, [], 0.0
+        return 0.0, 0.0, [], 0.0, 0.0
     costs: list[Cost] = []
     encode: list[float] = []
     for b in buckets:
@@ -114,13 +130,13 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
         else:
             c = collective(ALL_REDUCE, sent, world, topo)
         costs.append(c)
-        encode.append((b.nbytes + sent) / _codec_bandwidth(workload, options)
-                      if strategy.ratio < 1 else 0.0)
+        encode.append((b.nbytes + sent) / _codec_bandwidth(workload, options))
     schedule = simulate_buckets([b.ready for b in buckets], [c.seconds for c in costs],
                                 encode, encode)
     done = schedule[-1][1] if schedule else 0.0
     exposed = max(0.0, done - workload.backward)
-    return exposed, sum(c.seconds for c in costs), costs, costs[-1].seconds if costs else 0.0
+    return (exposed, sum(c.seconds for c in costs), costs, costs[-1].seconds if costs else 0.0,
+            2 * sum(encode))
 
 
 def _zero3_forward(workload: Workload, topo: Topology, world: int) -> float:
@@ -150,7 +166,7 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         mixed = DTYPE_BYTES[workload.grad_dtype] <= 2
     width = 2 if mixed else 4
     param_bytes = workload.parameters * width
-    exposed, link_s, costs, last = _backward_comm(workload, topo, world, strategy, options)
+    exposed, link_s, costs, last, copies = _backward_comm(workload, topo, world, strategy, options)
     forward = workload.forward
     optimizer = workload.optimizer / (world if strategy.zero_stage >= 1 else 1)
     extra = 0.0  # communication outside backward, never hidden
@@ -179,6 +195,11 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     exposed_total = exposed + extra + (forward - workload.forward)
     step = (workload.data + forward + workload.backward + exposed + optimizer + extra
             + workload.other)
+    shared = _shared_cores(workload, options, per_node, step - exposed_total - workload.data,
+                           link_s + copies)
+    if shared is not None and shared > step:
+        exposed_total += shared - step
+        step = shared
     batch = workload.batch_size or 1
     memory = model_state_memory(workload.parameters, world,
                                 strategy.zero_stage, mixed_precision=mixed,
@@ -186,6 +207,8 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     fits = options.gpu_memory is None or memory.total <= options.gpu_memory
     all_costs = costs + ([extra_cost] if extra > 0 else [])
     binding = _binding(workload, step, exposed_total, all_costs, fits)
+    if shared is not None and shared >= step and fits:
+        binding = f"cpu cores ({per_node} ranks on {options.cpu_cores})"
     algorithm = max(all_costs, key=lambda c: c.seconds).algorithm if all_costs else "none"
     return Prediction(
         strategy=strategy.name, gpus=world, nodes=nodes, step_s=step,
@@ -196,6 +219,19 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
                 "data_s": workload.data, "other_s": workload.other, "exposed_after_backward_s": exposed,
                 "outside_backward_s": extra, "last_bucket_s": last},
     )
+
+
+def _shared_cores(workload: Workload, options: PlanOptions, ranks: int, compute: float,
+                  link_s: float) -> float | None:
+    """The step when a CPU node's ranks time-share its cores (``PlanOptions.cpu_cores``), or None.
+
+    ``compute`` is a rank's CPU work besides data loading and communication; ``link_s`` its
+    communication and bucket copies, all of it CPU work on a CPU backend. ``ranks`` ranks need
+    ``ranks * (compute + link_s)`` core-seconds per step from ``cpu_cores`` cores.
+    """
+    if options.cpu_cores is None or workload.device != "cpu":
+        return None
+    return workload.data + ranks * (compute + link_s) / options.cpu_cores
 
 
 def _binding(workload: Workload, step: float, exposed: float, costs: list[Cost], fits: bool) -> str:

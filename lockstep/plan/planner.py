@@ -117,6 +117,9 @@ def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -
         (f"optimizer state: {options.optimizer}, "
         f"{'mixed precision' if options.mixed_precision else 'precision from the gradient dtype'}"),
     ]
+    if options.cpu_cores is not None and workload.device == "cpu":
+        out.append(f"CPU ranks time-share {options.cpu_cores} cores per node with their "
+                   "communication: the step is at least ranks x (compute + link time) / cores")
     if workload.source == "described" or any(n.startswith("synthetic") for n in workload.notes):
         out.append("bucket ready times assumed uniform in bytes over backward (no profile)")
     return out + list(workload.notes)

@@ -24,7 +24,10 @@ from lockstep.plan.model import PlanOptions, Prediction, predict
 from lockstep.plan.strategies import parse_strategy
 from lockstep.plan.workload import Workload, load_profile
 
-__all__ = ["Throttle", "measure_ddp", "predict_ddp", "profile_world1", "throttle_hook", "throttled_link"]
+__all__ = [
+    "Throttle", "cpu_cores", "measure_ddp", "predict_ddp", "profile_world1", "throttle_hook",
+    "throttled_link",
+]
 
 
 class Throttle:
@@ -58,6 +61,15 @@ def throttle_hook(state: Throttle, bucket: Any) -> torch.futures.Future[torch.Te
         return f.value()
 
     return fut.then(hold)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity where the OS reports one)."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def throttled_link(link: Link, bandwidth: float) -> Link:
@@ -142,8 +154,12 @@ def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world:
     return {"step_s": max(r["step_s"] for r in rows), "exposed_s": max(r["exposed_s"] for r in rows)}
 
 
-def predict_ddp(profile: dict | str | Workload, link: Link, world: int) -> Prediction:
-    """The planner's DDP prediction at ``world`` ranks all on ``link`` (one machine)."""
+def predict_ddp(profile: dict | str | Workload, link: Link, world: int,
+                cpu_cores: int | None = None) -> Prediction:
+    """The planner's DDP prediction at ``world`` ranks all on ``link`` (one machine).
+
+    ``cpu_cores``: the cores the ranks share (:attr:`PlanOptions.cpu_cores`); None: one each.
+    """
     if isinstance(profile, Workload):
         workload = profile
     elif isinstance(profile, str):
@@ -160,6 +176,7 @@ def predict_ddp(profile: dict | str | Workload, link: Link, world: int) -> Predi
             workload = load_profile(path)
         finally:
             os.unlink(path)
-    result = predict(workload, Topology(link, world), world, parse_strategy("ddp"), PlanOptions())
+    result = predict(workload, Topology(link, world), world, parse_strategy("ddp"),
+                     PlanOptions(cpu_cores=cpu_cores))
     assert result is not None  # DDP always runs
     return result
