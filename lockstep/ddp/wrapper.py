@@ -9,15 +9,12 @@ argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduct
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep import hang
@@ -28,6 +25,7 @@ from lockstep.ddp.comm_hooks import returns_future
 from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import DDPJoinHook, UnevenInputs
+from lockstep.ddp.profiling import ProfiledDDP
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import (
     broadcast_coalesced,
@@ -36,19 +34,16 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
-from lockstep.doctor.arrivals import GradientArrivals
 from lockstep.doctor.env import settings_from_env
-from lockstep.doctor.recorder import Recorder
-from lockstep.doctor.records import StepTiming
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
-from lockstep.tensors import iter_tensors, move_to
+from lockstep.tensors import move_to
 
 __all__ = ["DistributedDataParallel"]
 
 _PREFIX = "module."
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(ProfiledDDP, Joinable):
     """Data parallelism across processes: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Every rank holds a replica; parameters and buffers are broadcast from rank 0 once, and the
@@ -163,9 +158,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._clock: Recorder | None = None
+        self._clock = None
         self._profile_hooks: list[Any] = []
-        self._arrivals: GradientArrivals | None = None
+        self._arrivals = None
         self._uneven: UnevenInputs | None = None  # lockstep's join()
         self._torch_join: UnevenInputs | None = None  # torch's Join([...]), through join_hook
         self._hook_registered = False
@@ -281,28 +276,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         # As torch: the forward after a no_sync forward does not broadcast buffers.
         self.require_forward_param_sync = sync
         return output
-
-    # Profiling marks never enter a compiled graph (a clock read would break it). Under
-    # torch.compile(ddp) these hooks run outside the graph, as Python (Dynamo would otherwise
-    # trace them away); inside a larger compiled function the forward goes unmarked and backward
-    # is marked by the reducer's hooks.
-    @torch.compiler.disable()
-    def _profile_forward_pre(self, module: nn.Module, inputs: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        if self._clock is not None and torch.is_grad_enabled():
-            self._clock.forward_started(inputs)
-
-    @torch.compiler.disable()
-    def _profile_forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        clock = self._clock
-        if clock is not None and torch.is_grad_enabled():
-            clock.forward_ended()
-            ends_itself = self._reducer is None or not self.require_backward_grad_sync
-            _hook_first_tensor(output, clock, end_on_backward=ends_itself,
-                               synced=self._reducer is None)
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[Any]) -> tuple:
         """torch's hook for splitting inputs over ``device_ids`` along ``dim``."""
@@ -498,85 +471,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
-    def enable_profiling(
-        self,
-        enabled: bool = True,
-        *,
-        out_dir: str | os.PathLike | None = None,
-        max_steps: int | None = None,
-        warmup: int = 5,
-        gather_every: int = 0,
-    ) -> Recorder | None:
-        """Record every step: data wait, forward, backward, each bucket, exposed wait, optimizer.
-
-        Cheap enough to leave on (no device synchronisation, no collective unless
-        ``gather_every``). ``lockstep doctor`` turns it on through ``LOCKSTEP_PROFILE``.
-
-        Args:
-            enabled: False stops profiling (and saves, if ``out_dir`` was given).
-            out_dir: each rank writes ``rank<R>.json`` there when the process exits.
-            max_steps: end the process after this many steps (bounded runs).
-            warmup: first steps left out of summaries.
-            gather_every: every this many steps, rank 0 logs which rank is slowest and where
-                (one small asynchronous all-gather; 0: never).
-
-        Returns:
-            The :class:`~lockstep.doctor.recorder.Recorder`, or None when disabled.
-
-        Example::
-
-            model.enable_profiling()
-            ...train...
-            report = lockstep.doctor.gather_report(model.profiler)   # on every rank
-        """
-        if self._clock is not None:
-            self._clock.close()
-            for handle in self._profile_hooks:
-                handle.remove()
-        if self._arrivals is not None:
-            self._arrivals.remove()
-        self._clock, self._profile_hooks, self._arrivals = None, [], None
-        if enabled:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            group = self.process_group if self.world_size > 1 else None
-            self._clock = Recorder(
-                self.device, params, group, self._bucket_layout, _model_info(self.module),
-                out_dir, max_steps, warmup, gather_every,
-            )
-            self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
-                                   self.register_forward_hook(self._profile_forward_post)]
-            if self._reducer is None and self._trainable_names:
-                # A world of one: the profile still gives the buckets DDP would send, with the
-                # moment each would be ready (what `lockstep plan` predicts larger worlds from).
-                named = dict(self.module.named_parameters())
-                self._arrivals = GradientArrivals(
-                    [named[n] for n in self._trainable_names], self._trainable_names,
-                    self._bucket_cap_bytes, self._clock)
-        if self._reducer is not None:
-            self._reducer.clock = self._clock
-        return self._clock
-
-    @property
-    def profiler(self) -> Recorder | None:
-        """The recorder :meth:`enable_profiling` started, or None."""
-        return self._clock
-
-    def enable_step_timing(self, enabled: bool = True) -> None:
-        """Record forward, backward and exposed-communication seconds (see :meth:`enable_profiling`)."""
-        self.enable_profiling(enabled)
-
-    @property
-    def step_timings(self) -> list[StepTiming]:
-        """One :class:`~lockstep.doctor.records.StepTiming` per backward since timing was enabled."""
-        return self._clock.step_timings if self._clock is not None else []
-
-    def _bucket_layout(self) -> list[dict[str, Any]]:
-        reducer = self._reducer
-        if reducer is None:
-            return self._arrivals.layout() if self._arrivals is not None else []
-        return [{"index": b.index, "bytes": b.nbytes,
-                 "params": [reducer.names[i] for i in b.param_indices]} for b in reducer.buckets]
-
     # ---- pickling and deepcopy: without the process group, rebuilt on load ---------------
     def __getstate__(self) -> dict[str, Any]:
         if self.process_group is not dist.group.WORLD:
@@ -640,34 +534,3 @@ class DistributedDataParallel(nn.Module, Joinable):
 def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     # named_parameters() already yields a tied parameter once, under its first name.
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def _model_info(module: nn.Module) -> dict[str, Any]:
-    """The ``model`` entry of the profile format (docs/profile-format.md)."""
-    every = list(module.parameters())
-    trained = [p for p in every if p.requires_grad]
-    return {
-        "parameters": sum(p.numel() for p in every),
-        "trainable_parameters": sum(p.numel() for p in trained),
-        "param_bytes": sum(p.numel() * p.element_size() for p in every),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in trained),
-        "dtype": str(trained[0].dtype).replace("torch.", "") if trained else None,
-    }
-
-
-def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, synced: bool) -> None:
-    """Mark the start of backward when the gradient of the first output tensor is computed.
-
-    Without a reducer (a world of one) nothing else marks the end of backward, so the hook
-    also queues that on the autograd engine.
-    """
-
-    def started(grad: torch.Tensor) -> None:
-        clock.backward_started()
-        if end_on_backward:
-            Variable._execution_engine.queue_callback(
-                functools.partial(clock.backward_ended, synced=synced))
-
-    first = next((t for t in iter_tensors(output) if t.requires_grad), None)
-    if first is not None:
-        first.register_hook(started)
