@@ -18,7 +18,13 @@ from torch import nn
 
 import lockstep
 from lockstep.ddp.comm_hooks import allreduce_hook
-from lockstep.ddp.compiled import BucketSplitter
+from lockstep.ddp.compiled import (
+    BucketSplitter,
+    assign_pieces,
+    first_uses,
+    gradient_order,
+    param_nodes,
+)
 
 STEPS = 3
 WIDTH = 16
@@ -66,6 +72,37 @@ def test_pieces_end_where_buckets_end():
     assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
     assert type(out.grad_fn.next_functions[0][0]).__name__ == "CompiledFunctionBackward"
     torch.testing.assert_close(out, eager)
+
+
+def test_the_cut_falls_after_the_activation():
+    """An activation goes with the layer that reads it: what crosses a cut is a layer's output.
+
+    Cut after a ReLU instead, inductor saves the ReLU's mask for backward as an extra tensor,
+    measured to cost a fifth of a CPU step (assign_pieces).
+    """
+    net = _mlp()
+    captured: list[tuple[torch.fx.GraphModule, list]] = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(net, backend=capture)(torch.randn(3, WIDTH))
+    gm, inputs = captured[0]
+    params = param_nodes(gm, inputs)
+    firsts = first_uses(gm, params)
+    order = gradient_order(firsts)
+    where = assign_pieces(gm, firsts, [[p] for p in order], params)
+    assert max(where.values()) == LAYERS  # one piece per layer
+    for node in gm.graph.nodes:
+        if node.op == "output" or node.op == "placeholder":
+            continue
+        users = [u for u in node.users if u.op != "output"]
+        if node in firsts:  # a layer: its piece ends with it or with its activation
+            continue
+        # an activation: in the piece of the layer that consumes it
+        assert all(where[u] == where[node] for u in users), node
 
 
 class _Tied(nn.Module):
