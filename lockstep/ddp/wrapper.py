@@ -3,7 +3,7 @@
 The wrapper owns the user-facing contract (torch 2.13's constructor, ``.module``, ``no_sync``,
 ``register_comm_hook``, torch's ``Joinable`` members, pickling, state dicts without ``module.``);
 argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduction in
-``reducer.py``, start-up agreement in ``replica_sync.py``, uneven inputs in ``join.py``.
+``reducer.py``, start-up agreement in ``replica_sync.py``, uneven inputs in ``join.py`` and ``joinable.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from lockstep.ddp import arguments
 from lockstep.ddp.comm_hooks import returns_future
 from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
-from lockstep.ddp.join import DDPJoinHook, UnevenInputs
+from lockstep.ddp.join import UnevenInputs
+from lockstep.ddp.joinable import JoinableDDP
 from lockstep.ddp.profiling import ProfiledDDP
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import (
@@ -43,7 +44,7 @@ __all__ = ["DistributedDataParallel"]
 _PREFIX = "module."
 
 
-class DistributedDataParallel(ProfiledDDP, Joinable):
+class DistributedDataParallel(ProfiledDDP, JoinableDDP):
     """Data parallelism across processes: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Every rank holds a replica; parameters and buffers are broadcast from rank 0 once, and the
@@ -323,32 +324,7 @@ class DistributedDataParallel(ProfiledDDP, Joinable):
                     hang.run(self._reducer.progress, "DDP buffer broadcast",
                              lambda: broadcast_coalesced(buffers, src, self.process_group))
 
-    # ---- the seam for join and pipelines ---------------------------------------------------
-    @property
-    def join_device(self) -> torch.device:
-        """torch's ``Joinable``: where join's own collectives run."""
-        return self.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """torch's ``Joinable``: the group join's collectives run over."""
-        return self.process_group
-
-    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
-        """torch's ``Joinable``: the hook ``torch.distributed.algorithms.Join([model, ...])`` runs.
-
-        Args:
-            divide_by_initial_world_size: average over all ranks (True, default) or over the
-                ranks still active in each iteration.
-        """
-        state = UnevenInputs(self, kwargs.get("divide_by_initial_world_size", True), False)
-        self._torch_join = state
-
-        def done() -> None:
-            self._torch_join = None
-
-        return DDPJoinHook(state, done)
-
+    # ---- the seam for torch.compile ------------------------------------------------------
     def plan_buckets(self, order: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
         """The gradient buckets, in launch order, for a backward finishing gradients in ``order``.
 
@@ -371,69 +347,6 @@ class DistributedDataParallel(ProfiledDDP, Joinable):
         Pieces in forward order; the split ends them at the buckets of :meth:`plan_buckets`.
         """
         return [graph for splitter in self._twin.splitters() for graph in splitter.pieces]
-
-    def set_gradient_scale(self, scale: float) -> None:
-        """Multiply the averaged gradients of every later backward by ``scale`` (join uses it)."""
-        if self._reducer is not None:
-            self._reducer.grad_scale = scale
-
-    def shadow_backward(self) -> None:
-        """Issue one backward's gradient collectives with zeros (a rank that has joined)."""
-        if self._reducer is not None:
-            self._reducer.shadow_backward()
-
-    def sync_next_backward(self) -> None:
-        """Make the coming backward average gradients, whatever the last forward decided.
-
-        For schedules whose backward order differs from their forward order (pipelines run
-        every forward under ``no_sync`` and arm only the last backward).
-        """
-        if self._reducer is not None:
-            self._reducer.prepare_for_backward(True)
-        if self._delayed is not None:
-            self._delayed.armed = True
-
-    @contextlib.contextmanager
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Iterator[None]:
-        """Train on uneven inputs: a rank that runs out of batches shadows the others.
-
-        Wrap the whole training loop. At the end every rank holds the model of the rank that ran
-        the most iterations. Costs one tiny all-reduce per forward while enabled. (torch's
-        ``Join([model, optimizer])`` works too, through :meth:`join_hook`.)
-
-        Args:
-            divide_by_initial_world_size: average over all ranks (True), or over the ranks that
-                still have inputs in each iteration (False).
-            enable: turn the context off without changing code.
-            throw_on_early_termination: instead, raise on every rank as soon as one runs out.
-
-        Example::
-
-            with model.join():
-                for x, y in loader:          # loaders of different lengths per rank
-                    ...
-        """
-        if not enable or self._reducer is None:
-            yield
-            return
-        state = UnevenInputs(self, divide_by_initial_world_size, throw_on_early_termination)
-        self._uneven = state
-        if self._clock is not None:
-            self._clock.gathers_paused = True  # a joined rank would miss the gather
-        try:
-            yield
-            self._uneven = None  # this rank's own forwards are over: now it only shadows
-            state.shadow_until_all_joined()
-        finally:
-            self._uneven = None
-            self.set_gradient_scale(1.0)
-            if self._clock is not None:
-                self._clock.gathers_paused = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
