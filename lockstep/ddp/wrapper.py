@@ -9,7 +9,7 @@ argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduct
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import UnevenInputs
 from lockstep.ddp.joinable import JoinableDDP
+from lockstep.ddp.persistence import PersistentDDP
 from lockstep.ddp.profiling import ProfiledDDP
 from lockstep.ddp.reducer import Reducer
 from lockstep.ddp.replica_sync import (
@@ -41,10 +42,7 @@ from lockstep.tensors import move_to
 
 __all__ = ["DistributedDataParallel"]
 
-_PREFIX = "module."
-
-
-class DistributedDataParallel(ProfiledDDP, JoinableDDP):
+class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
     """Data parallelism across processes: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Every rank holds a replica; parameters and buffers are broadcast from rank 0 once, and the
@@ -223,6 +221,18 @@ class DistributedDataParallel(ProfiledDDP, JoinableDDP):
             self._reducer.comm_hook, self._reducer.comm_state = fp32_accumulate_hook, wire
             self._hook_registered = True
 
+    _unpicklable = ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
+                    "_torch_join", "_clock", "_profile_hooks", "_arrivals", "_twin")
+
+    def _reattach(self) -> None:
+        """After unpickling: the default group, no join or profiling, the reducer rebuilt."""
+        self.process_group = arguments.resolve_process_group(None, None)  # the default group
+        self.device_mesh = None
+        self._uneven = self._torch_join = self._clock = self._arrivals = None
+        self._profile_hooks = []
+        Joinable.__init__(self)
+        self._connect()
+
     def _check_devices(self, named: list[tuple[str, nn.Parameter]]) -> None:
         for name, p in named:
             if p.device != self.device:
@@ -383,65 +393,6 @@ class DistributedDataParallel(ProfiledDDP, JoinableDDP):
         self._hook_registered = True
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
-
-    # ---- pickling and deepcopy: without the process group, rebuilt on load ---------------
-    def __getstate__(self) -> dict[str, Any]:
-        if self.process_group is not dist.group.WORLD:
-            raise RuntimeError(
-                "DistributedDataParallel can be pickled or deep-copied only when it averages "
-                "over the default process group (no process_group= or device_mesh= given); "
-                "copy the inner model instead: copy.deepcopy(ddp.module)."
-            )
-        state = dict(self.__dict__)
-        for key in ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
-                    "_torch_join", "_clock", "_profile_hooks", "_arrivals", "_twin"):
-            state.pop(key, None)
-        # A copy starts with the default reduction (the hook's state may hold a group).
-        state["_hook_registered"] = False
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "unpickling a DistributedDataParallel needs a process group: call "
-                "lockstep.init_distributed() first, or unpickle the inner model."
-            )
-        self.process_group = dist.group.WORLD
-        self.device_mesh = None
-        self._uneven = self._torch_join = self._clock = self._arrivals = None
-        self._profile_hooks = []
-        Joinable.__init__(self)
-        self._connect()
-
-    # ---- checkpoints: keys without "module." ----------------------------------------------
-    def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """The inner module's state dict: keys without torch DDP's ``module.``.
-
-        ``state_dict(prefix="module.")`` gives torch DDP's keys instead (for a checkpoint that
-        torch's DDP ``load_state_dict`` must read).
-        """
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
-        """Load keys with or without torch DDP's ``module.`` prefix.
-
-        Raises:
-            ValueError: ``assign=True`` with several ranks (it would replace the parameters
-                whose gradients are being averaged).
-        """
-        if assign and self._reducer is not None:
-            raise ValueError(
-                "DistributedDataParallel.load_state_dict(assign=True) would replace the "
-                "parameters lockstep averages; load with assign=False (the default), or load "
-                "into the module before wrapping it."
-            )
-        if state_dict and all(k.startswith(_PREFIX) for k in state_dict):
-            state_dict = {k[len(_PREFIX):]: v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
