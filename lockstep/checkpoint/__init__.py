@@ -1,8 +1,9 @@
 """Checkpoints that lose nothing: atomic, checksummed, safe to load, resumable at any world size.
 
 ``manager`` is the public API (:class:`Checkpointer`); ``meeting`` is where ranks meet and what
-they must agree on; ``state`` knows what each object holds;
-``io`` knows how bytes reach the disk and come back.
+they must agree on; ``directory`` names, lists and prunes checkpoints; ``writing`` writes one
+(staging, checksummed files, publish); ``loading`` verifies one and loads it into objects;
+``state`` knows what each object holds; ``io`` knows how bytes reach the disk and come back.
 """
 
 from lockstep.checkpoint.io import CheckpointError, load_file

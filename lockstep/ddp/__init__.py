@@ -1,5 +1,6 @@
-"""DistributedDataParallel: buckets (bucket.py), the reducer (reducer.py), comm hooks
-(comm_hooks.py), start-up agreement (replica_sync.py), constructor checks (arguments.py),
+"""DistributedDataParallel: buckets (bucket.py), the reducer (reducer.py) with its bucket layout
+(bucket_layout.py), bucket launches (bucket_launch.py) and unused-parameter search (unused.py),
+comm hooks (comm_hooks.py), start-up agreement (replica_sync.py), constructor checks (arguments.py),
 delayed all-reduce (delayed.py), uneven inputs (join.py), step timing (timing.py), the wrapper
 module (wrapper.py)."""
 

@@ -1,0 +1,102 @@
+"""How a save reaches the disk: a staging directory, checksummed files, one rename to publish.
+
+Every file is written into ``.staging-step_…`` (temporary file, fsync, rename: see ``io.py``),
+each with a CRC-32 that restoring checks. Once every rank has written its files, rank 0 renames
+the staging directory to its final name, so a checkpoint exists complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lockstep.checkpoint.directory import FORMAT, STATE_FILE, check_directory, rng_file
+from lockstep.checkpoint.io import check_loadable, encode, fsync_dir, write_atomic
+from lockstep.checkpoint.sharded import shard_file
+from lockstep.checkpoint.state import capture_rng, object_state
+
+__all__ = ["prepare_staging", "publish", "staging_dir", "write_rank_files"]
+
+_STAGING_PREFIX = ".staging-"
+_REPLACED_PREFIX = ".replaced-"
+
+
+def staging_dir(final: Path) -> Path:
+    """Where the checkpoint that will be ``final`` is written until it is complete."""
+    return final.parent / f"{_STAGING_PREFIX}{final.name}"
+
+
+def prepare_staging(directory: Path, staging: Path) -> None:
+    """Create ``staging`` in ``directory``, clearing what earlier saves cut short left behind."""
+    check_directory(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f"{_STAGING_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a crash
+    for replaced in directory.glob(f"{_REPLACED_PREFIX}*"):
+        # A crash between moving a re-saved step aside and publishing its new copy: put
+        # the old copy back when no new one made it, otherwise it is garbage.
+        final = directory / replaced.name[len(_REPLACED_PREFIX):]
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.replace(replaced, final)
+    staging.mkdir()
+
+
+def write_rank_files(
+    staging: Path,
+    rank: int,
+    world: int,
+    step: int,
+    epoch: int,
+    extra: Mapping[str, Any] | None,
+    objects: Mapping[str, Any],
+    sharded: list[str],
+) -> None:
+    """Write this rank's files: ``state.pt`` (rank 0), its shard file, its RNG states.
+
+    Args:
+        staging: the staging directory.
+        rank: this rank; world: the number of ranks saving.
+        step: the step to resume at; epoch: the current epoch.
+        extra: the user's plain values (``None``: none).
+        objects: name -> object, as passed to ``save``.
+        sharded: the names of the objects written one piece per rank.
+    """
+    if rank == 0:
+        meta = {"format": FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
+                "sharded": sharded}
+        whole = {n: o for n, o in objects.items() if n not in sharded}
+        _write_state(staging, meta, dict(extra or {}), whole)
+    if sharded:
+        pieces = {name: objects[name].sharded_state_dict() for name in sharded}
+        check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
+        write_atomic(staging / shard_file(rank), encode(pieces))
+    write_atomic(staging / rng_file(rank), encode(capture_rng()))
+
+
+def _write_state(staging: Path, meta: dict, extra: dict, objects: Mapping[str, Any]) -> None:
+    payload: dict[str, Any] = {"meta": meta, "extra": extra, "objects": {}}
+    for name, obj in objects.items():
+        payload["objects"][name] = object_state(name, obj)
+    check_loadable(extra, "extra")
+    for name, state in payload["objects"].items():
+        check_loadable(state, f"{name}.state_dict()")
+    write_atomic(staging / STATE_FILE, encode(payload))
+
+
+def publish(directory: Path, staging: Path, final: Path) -> None:
+    """Rename the complete ``staging`` to ``final`` (an earlier copy of that step is replaced)."""
+    fsync_dir(staging)
+    if final.exists():
+        # Re-saving a step (its earlier copy was damaged): move it aside, never overwrite.
+        trash = directory / f"{_REPLACED_PREFIX}{final.name}"
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_dir(directory)
