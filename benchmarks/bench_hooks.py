@@ -33,14 +33,14 @@ from lockstep.comm import (
     CommState,
     LocalSGD,
     PowerSGDState,
-    uncompressed_hook,
     bf16_compress_hook,
     fp16_compress_hook,
     powersgd_hook,
+    uncompressed_hook,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from chargpt import GPT, BlockDataset, GPTConfig, Vocab, load_corpus  # noqa: E402
+from chargpt import GPT, BlockDataset, GPTConfig, Vocab, load_corpus
 
 METHODS = ("allreduce", "fp16", "bf16", "powersgd", "local_sgd", "diloco")
 

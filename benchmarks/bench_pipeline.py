@@ -33,7 +33,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 import lockstep
 from lockstep.pipeline.schedule import bubble_fraction, get_schedule, in_flight_peaks

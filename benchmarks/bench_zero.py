@@ -21,7 +21,8 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -7,9 +7,10 @@ import warnings
 
 import pytest
 import torch
+
 # Optimizers import torch._dynamo lazily, and that import sets TORCHINDUCTOR_CACHE_DIR: import it
 # here, before conftest's environment-leak check takes its snapshot.
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 from torch import nn
 
 import lockstep
@@ -165,7 +166,7 @@ def test_scalar_output_becomes_a_vector_with_a_warning():
 def test_inference_replicas_are_cached_and_refreshed_after_a_step(monkeypatch):
     calls = []
     real = replica_cache.replicate
-    counting = lambda *a, **k: calls.append(k.get("detach")) or real(*a, **k)  # noqa: E731
+    counting = lambda *a, **k: calls.append(k.get("detach")) or real(*a, **k)
     monkeypatch.setattr(replica_cache, "replicate", counting)
     monkeypatch.setattr(data_parallel, "replicate", counting)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import torch
 
 # Building the first optimizer imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR; import it
 # before conftest's environment-leak check takes its snapshot.
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = [

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -182,9 +180,8 @@ def test_errors_name_the_problem():
         lockstep.Pipeline(_mlp(), 2, schedule="interleaved", devices=["cpu"])
     with pytest.raises(RuntimeError, match="needs loss_fn"):
         lockstep.Pipeline(_mlp(), 2, devices=["cpu"]).step(torch.randn(4, 6))
-    with pytest.raises(RuntimeError, match="outside torch.no_grad"):
-        with torch.no_grad():
-            pipe.step(torch.randn(8, 6), target=torch.randn(8, 3))
+    with pytest.raises(RuntimeError, match="outside torch.no_grad"), torch.no_grad():
+        pipe.step(torch.randn(8, 6), target=torch.randn(8, 3))
     with pytest.raises(RuntimeError, match="needs a process group"):
         lockstep.Pipeline(_mlp(), 2)
     with pytest.raises(ValueError, match="loss_fn must return a single-element tensor"):

@@ -125,7 +125,7 @@ def _reference(model_or_stages, chunks: int, data, loss_fn=F.mse_loss):
     """Single-process training on the same micro-batches: outputs, losses, final state."""
     if isinstance(model_or_stages, list):
         model = nn.Sequential(*model_or_stages)
-        forward = lambda x: model[1](*model[0](x))  # noqa: E731
+        forward = lambda x: model[1](*model[0](x))
     else:
         model = forward = model_or_stages
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

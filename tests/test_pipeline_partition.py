@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -24,7 +25,7 @@ def _brute_force_best(weights, k):
     n, best = len(weights), float("inf")
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
+        best = min(best, max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds)))
     return best
 
 
@@ -38,7 +39,7 @@ def test_balanced_sizes_is_optimal(weights, k):
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)
-    heaviest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    heaviest = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
     assert heaviest == _brute_force_best(weights, k)
 
 

@@ -103,7 +103,7 @@ class _World:
         return lockstep.ZeroRedundancyOptimizer(params, cls, process_group=self.group, **kwargs)
 
 
-_ADAM = dict(lr=1e-2, weight_decay=1e-2)
+_ADAM = {"lr": 1e-2, "weight_decay": 1e-2}
 
 
 def _check_adam_with_ddp(w: _World, out: dict) -> tuple:
@@ -440,7 +440,7 @@ def test_closure_is_evaluated_and_its_loss_returned(world_of_one):
         )
         x, y = _batches(1)[0]
 
-        def closure() -> torch.Tensor:
+        def closure(opt=opt, model=model, x=x, y=y) -> torch.Tensor:
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()
