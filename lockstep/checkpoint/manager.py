@@ -42,7 +42,14 @@ from lockstep.checkpoint.io import (
     write_atomic,
 )
 from lockstep.checkpoint.meeting import check_agreement, meet
-from lockstep.checkpoint.sharded import SavedPieces, ShardFiles, saves_sharded, shard_file
+from lockstep.checkpoint.sharded import (
+    SavedPieces,
+    ShardFiles,
+    saves_sharded,
+    shard_file,
+    shard_ranks,
+    shard_writers,
+)
 from lockstep.checkpoint.state import (
     apply_state,
     capture_rng,
@@ -66,10 +73,9 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def _files(world: int, sharded: bool) -> list[str]:
-    """Every file of a checkpoint written by ``world`` ranks (with shard files if ``sharded``)."""
-    ranks = range(world)
-    return [_STATE_FILE, *map(_rng_file, ranks), *(map(shard_file, ranks) if sharded else ())]
+def _files(world: int, writers: list[int]) -> list[str]:
+    """Every file of a checkpoint written by ``world`` ranks, with a shard file per rank in ``writers``."""
+    return [_STATE_FILE, *map(_rng_file, range(world)), *map(shard_file, writers)]
 
 
 @dataclass(frozen=True)
@@ -254,14 +260,15 @@ class Checkpointer:
                 consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
+        writers = shard_writers([objects[name] for name in sharded], self._gather)  # replicas skip
 
         def write() -> None:
             if rank == 0:
                 meta = {"format": _FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
-                        "sharded": sharded}
+                        "sharded": sharded, "shard_ranks": writers}
                 whole = {n: o for n, o in objects.items() if n not in sharded}
                 self._write_state(staging, meta, dict(extra or {}), whole)
-            if sharded:
+            if rank in writers:
                 pieces = {name: objects[name].sharded_state_dict() for name in sharded}
                 check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
                 write_atomic(staging / shard_file(rank), encode(pieces))
@@ -272,7 +279,7 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
 
         self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        files = _files(world, bool(sharded))
+        files = _files(world, writers)
         error = self._attempt(lambda: self._publish(staging, final, files))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:
@@ -389,7 +396,7 @@ class Checkpointer:
         world = meta.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{path / _STATE_FILE} records no valid world_size ({world!r})")
-        files = _files(world, bool(meta.get("sharded")))
+        files = _files(world, shard_ranks(meta))
         for name in files[1:]:
             read_verified(path / name)
         self._known_intact[path] = files
@@ -459,7 +466,7 @@ class Checkpointer:
                 f"{path} has no {', '.join(map(repr, absent))}; it holds {sorted({*saved, *sharded})}. "
                 "Pass the names used when saving."
             )
-        files = ShardFiles(path, meta["world_size"])
+        files = ShardFiles(path, meta["world_size"], shard_ranks(meta))
         for name, obj in objects.items():
             if name not in sharded:
                 apply_state(name, obj, saved[name], str(path / _STATE_FILE))
