@@ -24,7 +24,7 @@ the others (``step``, NAdam's ``mu_product``) are copied. A 0-dim parameter's st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,20 +247,22 @@ class ModelState:
             value.copy_(_fill(entry, state[key].reshape(-1)[start:end]))
 
 
-def _per_element_keys(states: Iterable[tuple[Mapping[str, Any], Sequence[int]]]) -> dict[str, bool]:
-    """Which optimizer state keys hold one number per element, learnt from ``(state, shape)`` pairs.
+def _per_element_keys(
+    state: Mapping[Any, Mapping[str, Any]], shape: Callable[[int], Sequence[int]]
+) -> dict[str, bool]:
+    """Which keys of an optimizer's ``state`` (by position) hold one number per element.
 
+    ``shape(position)`` is the shape the values are laid out in (full, or this rank's shard).
     Only parameters of one dimension or more tell: there a per-element value (``exp_avg``) has
     the parameter's shape and a scalar (``step``, NAdam's ``mu_product``, ASGD's ``eta``) does
     not. A 0-dim parameter's values are all 0-dim, so its keys are classified by the others'.
     """
     kinds: dict[str, bool] = {}
-    for per_param, shape in states:
-        if len(shape) == 0:
-            continue
+    for position, per_param in state.items():
+        size = tuple(shape(int(position)))
         for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                kinds[key] = kinds.get(key, False) or tuple(value.shape) == tuple(shape)
+            if size and isinstance(value, torch.Tensor):
+                kinds[key] = kinds.get(key, False) or tuple(value.shape) == size
     return kinds
 
 
@@ -306,15 +308,6 @@ class OptimizerState:
         if ours != theirs:
             raise ValueError(f"{source}: saved parameter groups of sizes {theirs}, this optimizer has {ours}")
 
-    @staticmethod
-    def _kinds(state: Mapping[Any, Mapping[str, Any]], fqns: Sequence[str], layout: Mapping[str, _Entry],
-               *, full: bool) -> dict[str, bool]:
-        """Which keys of ``state`` (by position) are per element: full shapes, or this rank's shards."""
-        return _per_element_keys(
-            (per_param, layout[fqns[int(p)]].shape if full else layout[fqns[int(p)]].param.shape)
-            for p, per_param in state.items()
-        )
-
     # -- sharded -------------------------------------------------------------------------------
 
     def writes_piece(self) -> bool:
@@ -325,7 +318,7 @@ class OptimizerState:
         """This rank's piece: its run of each per-element state tensor, the rest as it is."""
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
-        kinds = self._kinds(saved["state"], fqns, layout, full=False)
+        kinds = _per_element_keys(saved["state"], lambda p: layout[fqns[p]].param.shape)
         state = {}
         for position, per_param in saved["state"].items():
             entry = layout[fqns[position]]
@@ -369,7 +362,7 @@ class OptimizerState:
             return
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
-        kinds = self._kinds(saved["state"], fqns, layout, full=False)
+        kinds = _per_element_keys(saved["state"], lambda p: layout[fqns[p]].param.shape)
         keep = _global_rank() == to
         state: dict[int, dict[str, Any]] = {}
         for position, per_param in saved["state"].items():
@@ -380,7 +373,8 @@ class OptimizerState:
                     value = _gather(entry, value)
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().to("cpu", copy=True)
-                values[key] = value
+                if keep:
+                    values[key] = value
             if keep:  # in the optimizer's own key order, as a plain state_dict() lists them
                 state[position] = {key: values[key] for key in per_param}
         self._consolidated = {"state": state, "param_groups": saved["param_groups"]} if keep else None
@@ -398,7 +392,7 @@ class OptimizerState:
         """Load a plain optimizer's state dict (saved at any world size, or unsharded)."""
         self._check_groups(state_dict["param_groups"], "load_state_dict")
         fqns, layout = self._positions()
-        kinds = self._kinds(state_dict["state"], fqns, layout, full=True)
+        kinds = _per_element_keys(state_dict["state"], lambda p: layout[fqns[p]].shape)
         state = {}
         for position, per_param in state_dict["state"].items():
             entry = layout[fqns[int(position)]]
