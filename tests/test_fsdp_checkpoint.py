@@ -21,6 +21,7 @@ from test_fsdp import ADAMW, TOL, TinyGPT, _batches, _loss, _mine, _model, _shar
 
 import lockstep
 from lockstep.checkpoint.io import read_verified
+from lockstep.checkpoint.sharded import ShardFiles, shard_ranks, shard_writers
 from lockstep.fsdp import ModelState, OptimizerState, full_state_dict
 from lockstep.fsdp.checkpoint import read_range
 
@@ -80,6 +81,17 @@ def test_read_range_reassembles_any_run_from_runs_of_another_world():
         for start, end in ((0, 100), (34, 67), (99, 100), (50, 50)):
             got = read_range(pieces, start, end, chunk, list(range(saved_world)), lambda p: p)
             assert torch.equal(got, full[start:end]), (saved_world, start, end)
+
+
+def test_shard_ranks_come_from_the_metadata_and_older_checkpoints_mean_every_rank(tmp_path):
+    assert shard_ranks({"world_size": 4, "sharded": ["model"], "shard_ranks": [0, 1]}) == [0, 1]
+    assert shard_ranks({"world_size": 3, "sharded": ["model"]}) == [0, 1, 2]  # written before the list
+    assert shard_ranks({"world_size": 3, "sharded": []}) == []
+    with pytest.raises(lockstep.CheckpointError, match="invalid shard_ranks"):
+        shard_ranks({"world_size": 2, "sharded": ["model"], "shard_ranks": [0, 2]})
+    assert shard_writers([], lambda flag: [flag, True, False]) == [1]
+    with pytest.raises(lockstep.CheckpointError, match="rank 2 wrote no shard file"):
+        ShardFiles(tmp_path, 4, [0, 1]).pieces(2)
 
 
 def test_sharded_checkpoint_of_one_process_loads_into_a_plain_model(tmp_path):
