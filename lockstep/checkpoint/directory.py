@@ -48,10 +48,9 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def checkpoint_files(world: int, sharded: bool) -> list[str]:
-    """Every file of a checkpoint written by ``world`` ranks (with shard files if ``sharded``)."""
-    ranks = range(world)
-    return [STATE_FILE, *map(rng_file, ranks), *(map(shard_file, ranks) if sharded else ())]
+def checkpoint_files(world: int, writers: list[int]) -> list[str]:
+    """Every file of a checkpoint written by ``world`` ranks, with a shard file per rank in ``writers``."""
+    return [STATE_FILE, *map(rng_file, range(world)), *map(shard_file, writers)]
 
 
 def check_directory(directory: Path) -> None:

@@ -21,7 +21,7 @@ from lockstep.checkpoint.directory import (
     rng_file,
 )
 from lockstep.checkpoint.io import CheckpointError, check_length, read_verified
-from lockstep.checkpoint.sharded import SavedPieces, ShardFiles
+from lockstep.checkpoint.sharded import SavedPieces, ShardFiles, shard_ranks
 from lockstep.checkpoint.state import apply_state, restore_rng
 
 __all__ = ["IntactCheckpoints", "load_into"]
@@ -52,7 +52,7 @@ class IntactCheckpoints:
         world = meta.get("world_size")
         if not isinstance(world, int) or world < 1:
             raise CheckpointError(f"{path / STATE_FILE} records no valid world_size ({world!r})")
-        files = checkpoint_files(world, bool(meta.get("sharded")))
+        files = checkpoint_files(world, shard_ranks(meta))
         for name in files[1:]:
             read_verified(path / name)
         self._known[path] = files
@@ -110,7 +110,7 @@ def load_into(
             f"{path} has no {', '.join(map(repr, absent))}; it holds {sorted({*saved, *sharded})}. "
             "Pass the names used when saving."
         )
-    files = ShardFiles(path, meta["world_size"])
+    files = ShardFiles(path, meta["world_size"], shard_ranks(meta))
     for name, obj in objects.items():
         if name not in sharded:
             apply_state(name, obj, saved[name], str(path / STATE_FILE))

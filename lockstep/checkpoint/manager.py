@@ -41,7 +41,7 @@ from lockstep.checkpoint.directory import (
 from lockstep.checkpoint.io import CheckpointError, describe_os_error
 from lockstep.checkpoint.loading import IntactCheckpoints, load_into
 from lockstep.checkpoint.meeting import check_agreement, meet
-from lockstep.checkpoint.sharded import saves_sharded
+from lockstep.checkpoint.sharded import saves_sharded, shard_writers
 from lockstep.checkpoint.writing import prepare_staging, publish, staging_dir, write_rank_files
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
@@ -218,16 +218,17 @@ class Checkpointer:
                 consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
+        writers = shard_writers([objects[name] for name in sharded], self._gather)  # replicas skip
 
         def write() -> None:
-            write_rank_files(staging, rank, world, step, epoch, extra, objects, sharded)
+            write_rank_files(staging, rank, world, step, epoch, extra, objects, sharded, writers)
 
         def drop_staging() -> None:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
 
         self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        files = checkpoint_files(world, bool(sharded))
+        files = checkpoint_files(world, writers)
         error = self._attempt(lambda: self._publish(staging, final, files))[1] if rank == 0 else None
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:

@@ -2,22 +2,29 @@
 
 An object given to :meth:`Checkpointer.save` is saved *sharded* when it has
 ``sharded_state_dict()`` and ``load_sharded_state_dict(pieces)`` and its ``save_sharded``
-attribute (if any) is true. Then every rank writes its own piece, no rank gathers anything:
+attribute (if any) is true. Then each rank writes its own piece, no rank gathers anything:
 each rank's pieces of all such objects go into one file of that rank, ``shard-rank00003.pt``
-(``{name: piece}``), and ``state.pt`` lists their names. Restoring calls
-``load_sharded_state_dict`` with a :class:`SavedPieces`: the world size that saved and each
-rank's piece, read from its file (checksum verified) only when asked for, so that a restore at
-another world size reads only the files it needs.
+(``{name: piece}``), and ``state.pt`` lists their names and the ranks that wrote a file.
+
+A rank whose pieces only repeat another rank's (a replica under hybrid sharding) says so with
+``writes_piece()`` returning false: it writes no shard file, and the ranks agree on who writes
+before anything is written (:func:`shard_writers`, a collective), so no rank waits on another.
+
+Restoring calls ``load_sharded_state_dict`` with a :class:`SavedPieces`: the world size that
+saved and each writing rank's piece, read from its file (checksum verified) only when asked
+for, so that a restore at another world size reads only the files it needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.io import CheckpointError, read_verified
 
-__all__ = ["SavedPieces", "ShardFiles", "saves_sharded", "shard_file"]
+__all__ = ["SavedPieces", "ShardFiles", "saves_sharded", "shard_file", "shard_ranks", "shard_writers",
+           "writes_piece"]
 
 
 def saves_sharded(obj: Any) -> bool:
@@ -29,21 +36,66 @@ def saves_sharded(obj: Any) -> bool:
     )
 
 
+def writes_piece(obj: Any) -> bool:
+    """Whether this rank's piece of ``obj`` is needed (``False`` on replicas; default ``True``)."""
+    method = getattr(obj, "writes_piece", None)
+    return bool(method()) if callable(method) else True
+
+
+def shard_writers(objects: Iterable[Any], gather: Callable[[Any], list[Any]]) -> list[int]:
+    """The ranks that write a shard file: those with a needed piece of one of ``objects``.
+
+    A collective: every rank calls it, ``gather(value)`` returning every rank's ``value`` in
+    rank order (an ``all_gather_object``), so a rank that writes nothing still takes part.
+    """
+    flags = gather(any(writes_piece(obj) for obj in objects))
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
+def shard_ranks(meta: Mapping[str, Any]) -> list[int]:
+    """The ranks whose shard files a checkpoint holds, from its ``state.pt`` metadata.
+
+    Checkpoints written before replicas could skip their files record no list: every rank wrote.
+    """
+    if not meta.get("sharded"):
+        return []
+    world = meta.get("world_size")
+    ranks = meta.get("shard_ranks")
+    if ranks is None:
+        return list(range(world)) if isinstance(world, int) else []
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and 0 <= r < (world or 0) for r in ranks):
+        raise CheckpointError(f"state.pt records invalid shard_ranks {ranks!r} for a world of {world!r}")
+    return ranks
+
+
 def shard_file(rank: int) -> str:
     """The file holding rank ``rank``'s pieces of the sharded objects."""
     return f"shard-rank{rank:05d}.pt"
 
 
 class ShardFiles:
-    """The shard files of one checkpoint, each read and verified at most once."""
+    """The shard files of one checkpoint, each read and verified at most once.
 
-    def __init__(self, path: Path, world_size: int) -> None:
+    Args:
+        path: the checkpoint directory.
+        world_size: the world that saved it.
+        ranks: the ranks that wrote a shard file (``None``: all of them).
+    """
+
+    def __init__(self, path: Path, world_size: int, ranks: Sequence[int] | None = None) -> None:
         self.path, self.world_size = path, world_size
+        self.ranks = frozenset(range(world_size) if ranks is None else ranks)
         self._read: dict[int, dict[str, Any]] = {}
 
     def pieces(self, rank: int) -> dict[str, Any]:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"{self.path} was written by {self.world_size} ranks; there is no rank {rank}")
+        if rank not in self.ranks:
+            raise CheckpointError(
+                f"{self.path}: rank {rank} wrote no shard file (its pieces repeated another rank's); "
+                f"the files are those of ranks {sorted(self.ranks)}. A sharded object must read the "
+                "pieces of the ranks that wrote them."
+            )
         if rank not in self._read:
             self._read[rank] = read_verified(self.path / shard_file(rank))
         return self._read[rank]

@@ -55,6 +55,7 @@ def write_rank_files(
     extra: Mapping[str, Any] | None,
     objects: Mapping[str, Any],
     sharded: list[str],
+    writers: list[int],
 ) -> None:
     """Write this rank's files: ``state.pt`` (rank 0), its shard file, its RNG states.
 
@@ -65,13 +66,14 @@ def write_rank_files(
         extra: the user's plain values (``None``: none).
         objects: name -> object, as passed to ``save``.
         sharded: the names of the objects written one piece per rank.
+        writers: the ranks that write a shard file (``lockstep.checkpoint.sharded.shard_writers``).
     """
     if rank == 0:
         meta = {"format": FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
-                "sharded": sharded}
+                "sharded": sharded, "shard_ranks": writers}
         whole = {n: o for n, o in objects.items() if n not in sharded}
         _write_state(staging, meta, dict(extra or {}), whole)
-    if sharded:
+    if rank in writers:
         pieces = {name: objects[name].sharded_state_dict() for name in sharded}
         check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
         write_atomic(staging / shard_file(rank), encode(pieces))

@@ -5,7 +5,8 @@
 
 * sharded (default): each rank writes its own piece (the real elements of its shards, padding
   cut, and of its optimizer state over them) through the Checkpointer's sharded seam
-  (:mod:`lockstep.checkpoint.sharded`); nothing is gathered.
+  (:mod:`lockstep.checkpoint.sharded`); nothing is gathered. Under hybrid sharding only the
+  replica holding global rank 0 writes (the others hold the same values): one copy on disk.
 * full (``full=True``): the unsharded state dict, gathered one unit at a time onto rank 0 (the
   Checkpointer's ``consolidate_state_dict`` seam, as for ZeRO): exactly what a plain model's
   ``state_dict()`` and a plain optimizer's ``state_dict()`` hold, so a plain model and optimizer
@@ -16,12 +17,14 @@ Either form restores at any world size and into an unsharded model (wrap it in
 ``N`` holding elements ``[r·c, (r+1)·c)`` with ``c = ceil(numel / N)``, so a rank of a new world
 reads just the saved pieces its own run overlaps. Optimizer state tensors shaped like the
 parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's momentum) are resharded the same way;
-the others (``step``) are copied. Optimizer state is matched to parameters by name.
+the others (``step``, NAdam's ``mu_product``) are copied. A 0-dim parameter's state is all
+0-dim, so which of its keys are per element is learnt from the optimizer's other parameters
+(``_per_element_keys``). Optimizer state is matched to parameters by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +58,12 @@ class _Entry:
         return start, min(start + self.chunk, self.numel)
 
     def writes(self) -> bool:
-        """Whether this rank's piece carries the values (one copy each: replicas stay quiet)."""
-        return _global_rank() == self.owners[self.rank]
+        """Whether this rank's piece carries the values: one copy each, by the replica of rank 0.
+
+        Under hybrid sharding every replica holds the same shards; the one whose shard group
+        holds global rank 0 writes them, the others write nothing (restoring reads ``owners``).
+        """
+        return 0 in self.owners and _global_rank() == self.owners[self.rank]
 
     def meta(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "chunk": self.chunk, "owners": list(self.owners)}
@@ -87,6 +94,11 @@ def _layout(model: nn.Module) -> dict[str, _Entry]:
         else:
             entries[fqn] = _Entry(param, param.shape, param.numel(), param.numel(), 0, 1, None, (0,))
     return entries
+
+
+def _writes_piece(model: nn.Module) -> bool:
+    """Whether this rank holds values no other rank writes (rank 0 also writes the buffers)."""
+    return _global_rank() == 0 or any(entry.writes() for entry in _layout(model).values())
 
 
 def read_range(pieces: Sequence[Any], start: int, end: int, chunk: int, owners: Sequence[int],
@@ -166,6 +178,10 @@ class ModelState:
 
     # -- sharded -------------------------------------------------------------------------------
 
+    def writes_piece(self) -> bool:
+        """Whether this rank writes a piece: false on hybrid replicas without global rank 0."""
+        return _writes_piece(self.model)
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's piece: its run of every parameter it owns, and the buffers on rank 0."""
         params = {}
@@ -231,9 +247,34 @@ class ModelState:
             value.copy_(_fill(entry, state[key].reshape(-1)[start:end]))
 
 
-def _per_element(value: Any, shape: torch.Size, key: str) -> bool:
-    """Whether an optimizer state value holds one number per element of a parameter of ``shape``."""
-    return isinstance(value, torch.Tensor) and value.shape == shape and not (value.dim() == 0 and key == "step")
+def _per_element_keys(
+    state: Mapping[Any, Mapping[str, Any]], shape: Callable[[int], Sequence[int]]
+) -> dict[str, bool]:
+    """Which keys of an optimizer's ``state`` (by position) hold one number per element.
+
+    ``shape(position)`` is the shape the values are laid out in (full, or this rank's shard).
+    Only parameters of one dimension or more tell: there a per-element value (``exp_avg``) has
+    the parameter's shape and a scalar (``step``, NAdam's ``mu_product``, ASGD's ``eta``) does
+    not. A 0-dim parameter's values are all 0-dim, so its keys are classified by the others'.
+    """
+    kinds: dict[str, bool] = {}
+    for position, per_param in state.items():
+        size = tuple(shape(int(position)))
+        for key, value in per_param.items():
+            if size and isinstance(value, torch.Tensor):
+                kinds[key] = kinds.get(key, False) or tuple(value.shape) == size
+    return kinds
+
+
+def _per_element(value: Any, shape: Sequence[int], key: str, kinds: Mapping[str, bool]) -> bool:
+    """Whether an optimizer state value holds one number per element of a parameter of ``shape``.
+
+    ``kinds`` (from :func:`_per_element_keys`) decides for a 0-dim parameter; a key no other
+    parameter holds falls back to its name: ``step`` is a counter, the rest per element.
+    """
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+        return False
+    return len(shape) > 0 or kinds.get(key, key != "step")
 
 
 class OptimizerState:
@@ -269,16 +310,21 @@ class OptimizerState:
 
     # -- sharded -------------------------------------------------------------------------------
 
+    def writes_piece(self) -> bool:
+        """Whether this rank writes a piece: false on hybrid replicas without global rank 0."""
+        return _writes_piece(self.model)
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's piece: its run of each per-element state tensor, the rest as it is."""
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
+        kinds = _per_element_keys(saved["state"], lambda p: layout[fqns[p]].param.shape)
         state = {}
         for position, per_param in saved["state"].items():
             entry = layout[fqns[position]]
             kept = {}
             for key, value in per_param.items():
-                if _per_element(value, entry.param.shape, key):
+                if _per_element(value, entry.param.shape, key, kinds):
                     kept[key] = {"values": _run(entry, value)} if entry.writes() else {}
                 else:
                     kept[key] = {"value": value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value}
@@ -316,17 +362,21 @@ class OptimizerState:
             return
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
+        kinds = _per_element_keys(saved["state"], lambda p: layout[fqns[p]].param.shape)
         keep = _global_rank() == to
         state: dict[int, dict[str, Any]] = {}
         for position, per_param in saved["state"].items():
             entry = layout[fqns[position]]
+            values = {}
             for key, value in sorted(per_param.items()):  # the same collectives on every rank
-                if _per_element(value, entry.param.shape, key):
+                if _per_element(value, entry.param.shape, key, kinds):
                     value = _gather(entry, value)
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().to("cpu", copy=True)
                 if keep:
-                    state.setdefault(position, {})[key] = value
+                    values[key] = value
+            if keep:  # in the optimizer's own key order, as a plain state_dict() lists them
+                state[position] = {key: values[key] for key in per_param}
         self._consolidated = {"state": state, "param_groups": saved["param_groups"]} if keep else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -342,13 +392,14 @@ class OptimizerState:
         """Load a plain optimizer's state dict (saved at any world size, or unsharded)."""
         self._check_groups(state_dict["param_groups"], "load_state_dict")
         fqns, layout = self._positions()
+        kinds = _per_element_keys(state_dict["state"], lambda p: layout[fqns[p]].shape)
         state = {}
         for position, per_param in state_dict["state"].items():
             entry = layout[fqns[int(position)]]
             start, end = entry.span
             state[int(position)] = {
                 key: _fill(entry, value.reshape(-1)[start:end], like=value)
-                if _per_element(value, entry.shape, key) else value
+                if _per_element(value, entry.shape, key, kinds) else value
                 for key, value in per_param.items()
             }
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
