@@ -117,6 +117,10 @@ def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -
         (f"optimizer state: {options.optimizer}, "
         f"{'mixed precision' if options.mixed_precision else 'precision from the gradient dtype'}"),
     ]
+    if workload.buffer_broadcasts:
+        out.append(f"DDP, ZeRO-1 and local SGD broadcast {sum(workload.buffer_broadcasts):,.0f} "
+                   f"bytes of buffers from rank 0 before every forward "
+                   f"({len(workload.buffer_broadcasts)} message(s)), never hidden")
     if options.cpu_cores is not None and workload.device == "cpu":
         out.append(f"CPU ranks time-share {options.cpu_cores} cores per node with their "
                    "communication: the step is at least ranks x (compute + link time) / cores")
