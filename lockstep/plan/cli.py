@@ -106,7 +106,7 @@ def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from lockstep.plan.measure import measure_link
+    from lockstep.plan.measure import measure_link_sweep
     from lockstep.plan.model import PlanOptions
     from lockstep.plan.planner import plan
 
@@ -117,9 +117,9 @@ def run_plan(args: argparse.Namespace) -> int:
         measured = None
         if args.measure_link:
             print(f"measuring all-reduce on {args.nproc} local ranks...", file=sys.stderr)
-            measured = measure_link(args.nproc)
-            print(f"measured alpha {measured.alpha * 1e6:.1f} us, beta {measured.beta / 1e9:.3g} GB/s",
-                  file=sys.stderr)
+            sweep = measure_link_sweep(args.nproc)
+            measured = sweep.link
+            print(f"measured {sweep.describe()}", file=sys.stderr)
         topology = _topology(args, workload, measured).scaled(args.link_efficiency)
         options = PlanOptions(
             optimizer=args.optimizer,

@@ -192,12 +192,14 @@ def load_profile(path: str | Path) -> Workload:
                                                     "exposed_comm"))
     # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
     other = max(0.0, float(phases.get("step", known)) - known)
-    notes = () if buckets else (("synthetic buckets: the profile lists none (world 1?), so DDP's "
-                                 "1 MB + 25 MB buckets are assumed, ready uniformly over backward"),)
+    notes: tuple[str, ...] = ()
+    if not buckets:
+        notes += (("synthetic buckets: the profile lists none (world 1?), so DDP's 1 MB + 25 MB "
+                   "buckets are assumed, ready uniformly over backward"),)
     broadcasts = _buffer_broadcasts(model, path)
     if broadcasts is None:
-        notes += ("the profile records no buffers (written before the doctor did): DDP's "
-                  "buffer broadcast before each forward is not priced",)
+        notes += (("the profile records no buffers (written before the doctor did): DDP's "
+                   "buffer broadcast before each forward is not priced"),)
     return Workload(
         parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
         forward=float(phases["forward"]), backward=float(phases["backward"]),
