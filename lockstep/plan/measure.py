@@ -10,6 +10,12 @@ by least squares on *relative* error (small messages set alpha, large ones beta;
 drowns the other): the intercept gives alpha, the slope beta (a bus bandwidth, nccl-tests'
 convention). Each round is also fitted alone; the spread of those fits says how stable the
 link was while it was measured (:meth:`LinkSweep.describe`).
+
+Each sample also reads the process's CPU time (every thread: gloo's too). Fitted the same way,
+it splits an all-reduce into the rank's own CPU work and waiting (``Link.cpu_share``): on a CPU
+machine whose ranks time-share the cores (``PlanOptions.cpu_cores``) only the work competes for
+them. CPU time is also steadier than wall time on a busy machine: it does not count the waits
+for a descheduled peer.
 """
 
 from __future__ import annotations
@@ -64,23 +70,33 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float], world: int)
 
 @dataclass(frozen=True)
 class LinkSweep:
-    """An all-reduce sweep: the slowest rank's seconds per round and size, fitted."""
+    """An all-reduce sweep: seconds per round and size (the slowest rank's wall time, the
+    ranks' mean CPU time), and their fits."""
 
     world: int
     sizes: tuple[int, ...]
-    seconds: tuple[tuple[float, ...], ...]  # [round][size]
+    seconds: tuple[tuple[float, ...], ...]  # [round][size], wall
+    cpu_seconds: tuple[tuple[float, ...], ...] | None = None  # [round][size], per rank
 
-    @property
-    def medians(self) -> list[float]:
-        """Median over rounds of each size's time."""
-        return [statistics.median(r[i] for r in self.seconds) for i in range(len(self.sizes))]
+    def medians(self, cpu: bool = False) -> list[float]:
+        """Median over rounds of each size's wall (or CPU) time."""
+        rows = self.cpu_seconds if cpu and self.cpu_seconds is not None else self.seconds
+        return [statistics.median(r[i] for r in rows) for i in range(len(self.sizes))]
 
     @property
     def link(self) -> Link:
-        """The fit of the per-size medians (what the planner uses)."""
-        link = fit_alpha_beta(self.sizes, self.medians, self.world)
-        return Link(link.name, link.alpha, link.beta,
-                    f"measured all-reduce sweep, {self.world} ranks, {len(self.seconds)} rounds")
+        """The fit of the per-size medians (what the planner uses), with its CPU share."""
+        wall = fit_alpha_beta(self.sizes, self.medians(), self.world)
+        share = None
+        if self.cpu_seconds is not None:
+            try:
+                cpu = fit_alpha_beta(self.sizes, self.medians(cpu=True), self.world)
+                share = (cpu.alpha / wall.alpha if wall.alpha > 0 else 1.0, wall.beta / cpu.beta)
+            except ValueError:
+                share = None  # CPU time did not grow with size: unknown, counted as all work
+        return Link(wall.name, wall.alpha, wall.beta,
+                    f"measured all-reduce sweep, {self.world} ranks, {len(self.seconds)} rounds",
+                    share)
 
     def round_links(self) -> list[Link]:
         """One fit per round (rounds too noisy to fit are left out)."""
@@ -101,25 +117,35 @@ class LinkSweep:
     def describe(self) -> str:
         link, spread = self.link, self.spread()
         (a0, a1), (b0, b1) = spread["alpha"], spread["beta"]
-        return (f"alpha {link.alpha * 1e6:.1f} us, beta {link.beta / 1e9:.3g} GB/s at world "
+        text = (f"alpha {link.alpha * 1e6:.1f} us, beta {link.beta / 1e9:.3g} GB/s at world "
                 f"{self.world} (median of {len(self.seconds)} rounds; single rounds: alpha "
                 f"{a0 * 1e6:.0f}-{a1 * 1e6:.0f} us, beta {b0 / 1e9:.3g}-{b1 / 1e9:.3g} GB/s)")
+        if link.cpu_share is not None:
+            text += (f"; CPU work: {link.cpu_share[0]:.0%} of the latency, "
+                     f"{link.cpu_share[1]:.0%} of the bandwidth term")
+        return text
 
     @staticmethod
-    def slowest(per_rank: Sequence[Sequence[Sequence[float]]], sizes: Sequence[int]) -> LinkSweep:
-        """Combine every rank's ``[round][size]`` times: the slowest rank per round and size."""
-        rounds = min(len(r) for r in per_rank)
-        seconds = tuple(tuple(max(r[k][i] for r in per_rank) for i in range(len(sizes)))
-                        for k in range(rounds))
-        return LinkSweep(len(per_rank), tuple(int(s) for s in sizes), seconds)
+    def combine(per_rank: Sequence[dict[str, Any]], sizes: Sequence[int]) -> LinkSweep:
+        """Every rank's :func:`sweep_allreduce` result in one: per round and size, the slowest
+        rank's wall time and the ranks' mean CPU time."""
+        rounds = min(len(r["wall"]) for r in per_rank)
+        n = len(per_rank)
+        cols = range(len(sizes))
+        wall = tuple(tuple(max(r["wall"][k][i] for r in per_rank) for i in cols)
+                     for k in range(rounds))
+        cpu = tuple(tuple(sum(r["cpu"][k][i] for r in per_rank) / n for i in cols)
+                    for k in range(rounds))
+        return LinkSweep(n, tuple(int(s) for s in sizes), wall, cpu)
 
 
 def sweep_allreduce(sizes: Sequence[int], rounds: int = DEFAULT_ROUNDS,
-                    group: Any = None) -> list[list[float]]:
-    """This rank's seconds per all-reduce, ``[round][size]``; call it on every rank of ``group``.
+                    group: Any = None) -> dict[str, list[list[float]]]:
+    """This rank's seconds per all-reduce, ``{"wall": [round][size], "cpu": [round][size]}``.
 
-    Needs an initialised process group. Float32 tensors on this rank's device (the current CUDA
-    device when the backend is NCCL).
+    Call it on every rank of ``group`` (an initialised process group). Float32 tensors on this
+    rank's device (the current CUDA device when the backend is NCCL). ``cpu`` is the process's
+    CPU time over the same span (all its threads).
     """
     import torch
     import torch.distributed as dist
@@ -128,16 +154,16 @@ def sweep_allreduce(sizes: Sequence[int], rounds: int = DEFAULT_ROUNDS,
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tensors = [torch.ones(max(1, n // 4), device=device) for n in sizes]
 
-    def run(t: torch.Tensor, times: int) -> float:
+    def run(t: torch.Tensor, times: int) -> tuple[float, float]:
         dist.barrier(group)
         if cuda:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(times):
             dist.all_reduce(t, group=group)
         if cuda:
             torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / times
+        return ((time.perf_counter() - start) / times, (time.process_time() - cpu) / times)
 
     # Warm-up: connections, allocator, and the sockets' buffers grown to the largest message.
     largest = max(range(len(sizes)), key=lambda i: sizes[i])
@@ -147,12 +173,13 @@ def sweep_allreduce(sizes: Sequence[int], rounds: int = DEFAULT_ROUNDS,
     # Several all-reduces back to back per sample, as DDP's buckets follow one another: one
     # late wake-up of a rank on a busy machine then costs a share of the sample, not all.
     inner = [max(1, min(16, _BACK_TO_BACK_BYTES // max(n, 1))) for n in sizes]
-    out = [[run(t, k) for t, k in zip(tensors, inner)] for _ in range(rounds)]
+    samples = [[run(t, k) for t, k in zip(tensors, inner)] for _ in range(rounds)]
     dist.barrier(group)
-    return out
+    return {"wall": [[w for w, _ in row] for row in samples],
+            "cpu": [[c for _, c in row] for row in samples]}
 
 
-def _sweep(rank: int, sizes: Sequence[int], rounds: int) -> list[list[float]]:
+def _sweep(rank: int, sizes: Sequence[int], rounds: int) -> dict[str, list[list[float]]]:
     import lockstep
 
     lockstep.init_distributed()
@@ -170,7 +197,7 @@ def measure_link_sweep(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     results = spawn(_sweep, nproc, (list(sizes), repeats), timeout=timeout,
                     start_method=os.environ.get("LOCKSTEP_START_METHOD"))
-    return LinkSweep.slowest(results, sizes)
+    return LinkSweep.combine(results, sizes)
 
 
 def measure_link(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,

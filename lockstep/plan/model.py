@@ -46,9 +46,11 @@ class PlanOptions:
         cpu_cores: for a CPU profile, the cores of one node. Each CPU rank computes on one
             thread and its communication (gloo's copies, sums and loopback sends) is CPU work
             too: when a node's ranks and their communication need more cores than it has, they
-            time-share them, so the step is at least ``ranks_per_node * (compute + link time) /
-            cpu_cores`` and communication hides behind nothing. ``None``: cores are not counted
-            (a device per rank, as with GPUs). Ignored for GPU profiles.
+            time-share them, so the step is at least ``ranks_per_node * (compute + CPU work of
+            the collectives + bucket copies) / cpu_cores`` and communication hides behind
+            nothing. A collective's CPU work is its latency and bandwidth terms scaled by the
+            link's measured ``cpu_share`` (all of it when unknown). ``None``: cores are not
+            counted (a device per rank, as with GPUs). Ignored for GPU profiles.
     """
 
     optimizer: str = "adam"
@@ -196,7 +198,7 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     step = (workload.data + forward + workload.backward + exposed + optimizer + extra
             + workload.other)
     shared = _shared_cores(workload, options, per_node, step - exposed_total - workload.data,
-                           link_s + copies)
+                           _cpu_work(costs + outside, topo) + copies)
     if shared is not None and shared > step:
         exposed_total += shared - step
         step = shared
@@ -247,17 +249,27 @@ def _replicate_and_reduce(workload: Workload, topo: Topology, world: int,
                 out.bandwidth_s + back.bandwidth_s, "bcast+reduce", "intra")
 
 
+def _cpu_work(costs: list[Cost], topo: Topology) -> float:
+    """Seconds of a rank's CPU that ``costs`` take: each term times its link's ``cpu_share``."""
+    total = 0.0
+    for c in costs:
+        link = topo.across() if c.bound_by == "inter" else topo.intra
+        latency, bandwidth = link.cpu_share if link.cpu_share is not None else (1.0, 1.0)
+        total += c.latency_s * latency + c.bandwidth_s * bandwidth
+    return total
+
+
 def _shared_cores(workload: Workload, options: PlanOptions, ranks: int, compute: float,
-                  link_s: float) -> float | None:
+                  cpu_comm: float) -> float | None:
     """The step when a CPU node's ranks time-share its cores (``PlanOptions.cpu_cores``), or None.
 
-    ``compute`` is a rank's CPU work besides data loading and communication; ``link_s`` its
-    communication and bucket copies, all of it CPU work on a CPU backend. ``ranks`` ranks need
-    ``ranks * (compute + link_s)`` core-seconds per step from ``cpu_cores`` cores.
+    ``compute`` is a rank's CPU work besides data loading and communication; ``cpu_comm`` the
+    CPU work of its collectives and bucket copies. ``ranks`` ranks need
+    ``ranks * (compute + cpu_comm)`` core-seconds per step from ``cpu_cores`` cores.
     """
     if options.cpu_cores is None or workload.device != "cpu":
         return None
-    return workload.data + ranks * (compute + link_s) / options.cpu_cores
+    return workload.data + ranks * (compute + cpu_comm) / options.cpu_cores
 
 
 def _binding(workload: Workload, step: float, exposed: float, costs: list[Cost], fits: bool) -> str:

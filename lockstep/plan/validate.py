@@ -171,7 +171,7 @@ def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world:
     out: dict[str, Any] = {k: max(r[k] for r in rows)
                            for k in ("step_s", "exposed_s", "exposed_backward_s")}
     if sweep_sizes:
-        out["link"] = LinkSweep.slowest([r["sweep"] for r in rows], sweep_sizes)
+        out["link"] = LinkSweep.combine([r["sweep"] for r in rows], sweep_sizes)
     return out
 
 
