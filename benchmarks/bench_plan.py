@@ -10,6 +10,9 @@ then run lockstep's DDP at each world size; the same processes measure the all-r
 (``lockstep plan --measure-link``'s sweep) right before their timed steps, so each prediction
 uses the link its run found. Predicted and measured are printed side by side, with the link
 (alpha, beta, and the range of beta over the sweep's rounds) and the predicted buffer broadcast.
+The last prediction uses a world-1 profile taken while ``min(world, cores) - 1`` other processes
+train the same model beside it (``profile_world1(beside=...)``): ranks computing side by side
+slow each other's compute, which a profile of a lone process does not show.
 ``--throttle MB/s`` adds a run whose comm hook holds each bucket as a link of that bus bandwidth
 would, and compares predicted with measured exposed communication (which includes forward's
 wait for the buffer broadcast).
@@ -94,12 +97,16 @@ def main() -> None:
     print(f"{cores} cores; 'shared cores' predicts with PlanOptions(cpu_cores={cores}). The link "
           "of each row is measured by its run's own ranks just before the timed steps.")
     print("\n| model | world | link | alpha us | beta GB/s (rounds) | measured step ms "
-          "| predicted ms | error | predicted, shared cores | error | predicted buffer bcast ms "
-          "| measured exposed ms | predicted exposed ms (plain / shared cores) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| predicted ms | error | predicted, shared cores | error | shared cores, co-run profile "
+          "| error | predicted buffer bcast ms | measured exposed ms | predicted exposed ms "
+          "(plain / shared cores) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         build, batch, loss = CASES[name]
         doctor = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH)
+        co_run = {n: profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH,
+                                    beside=n)
+                  for n in sorted({min(w, cores) - 1 for w in args.worlds}) if n > 0}
         for world in args.worlds:
             variants = [("measured", None)]
             if args.throttle:
@@ -115,12 +122,16 @@ def main() -> None:
                 # compute and the real link's work, and the throttled link bounds it from below.
                 shared = max(predict_ddp(doctor, real, world, cpu_cores=cores), pred,
                              key=lambda p: p.step_s)
+                beside = co_run.get(min(world, cores) - 1, doctor)
+                co = max(predict_ddp(beside, real, world, cpu_cores=cores),
+                         predict_ddp(beside, link, world), key=lambda p: p.step_s)
                 ms = got["step_s"]
                 lo, hi = sweep.spread()["beta"]
                 print(f"| {name} | {world} | {label} | {real.alpha * 1e6:.0f} "
                       f"| {real.beta / 1e9:.2f} ({lo / 1e9:.2f}-{hi / 1e9:.2f}) | {ms * 1e3:.1f} "
                       f"| {pred.step_s * 1e3:.1f} | {(pred.step_s / ms - 1) * 100:+.0f}% "
                       f"| {shared.step_s * 1e3:.1f} | {(shared.step_s / ms - 1) * 100:+.0f}% "
+                      f"| {co.step_s * 1e3:.1f} | {(co.step_s / ms - 1) * 100:+.0f}% "
                       f"| {pred.detail['buffer_broadcast_s'] * 1e3:.2f} "
                       f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} / "
                       f"{shared.exposed_comm_s * 1e3:.1f} |", flush=True)

@@ -100,3 +100,14 @@ def test_optimizer_state_memory_matches_what_zero_holds():
         want = model_state_memory(psi, 2, 1 if zero else 0, mixed_precision=False).optimizer
         for row in rows:  # equal tensors: ZeRO's partition splits them evenly
             assert row[zero] == pytest.approx(want, rel=0.02)
+
+
+@pytest.mark.timeout(120)
+def test_world1_profile_beside_companions_is_still_a_world_of_one():
+    # One companion trains the same model at the same time (as a second rank would compute).
+    doc = profile_world1(build, make_batch, loss_fn, steps=3, batch_size=16, timeout=100, beside=1)
+    assert doc["world_size"] == 1 and doc["buckets"]
+    assert all(b["allreduce"] == 0 and b["ready"] > 0 for b in doc["buckets"])  # nothing sent
+    assert sum(b["bytes"] for b in doc["buckets"]) == doc["model"]["grad_bytes"]
+    with pytest.raises(ValueError, match="beside"):
+        profile_world1(build, make_batch, loss_fn, beside=-1)

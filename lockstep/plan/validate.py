@@ -82,34 +82,49 @@ def throttled_link(link: Link, bandwidth: float) -> Link:
 def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
                     steps: int, batch_size: int | None) -> dict:
     torch.manual_seed(0)
+    import torch.distributed as dist
+
     import lockstep
     from lockstep.doctor.api import gather_report
 
     lockstep.init_distributed()
-    ddp = lockstep.DistributedDataParallel(build())
+    # Every rank trains alone (a group of one each): rank 0's profile is a world of one, the
+    # others only compute beside it, as the ranks of the predicted world will.
+    solos = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    ddp = lockstep.DistributedDataParallel(build(), process_group=solos[rank])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
+    dist.barrier()
     for _ in range(3 + steps):
         opt.zero_grad()
         loss_fn(ddp(x), y).backward()
         opt.step()
-    return gather_report(recorder)
+    report = gather_report(recorder)
+    dist.barrier()  # the companions keep computing until rank 0 is done
+    return report
 
 
 def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, steps: int = 10,
                    batch_size: int | None = None, path: str | None = None,
-                   timeout: float = 300.0) -> dict:
+                   timeout: float = 300.0, beside: int = 0) -> dict:
     """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
 
     It is the doctor's profile (``enable_profiling``): at a world of one it lists the buckets
     DDP would send and when each would be ready (:mod:`lockstep.doctor.arrivals`).
+
+    Args:
+        beside: processes that train the same model alone at the same time (one thread each),
+            so the profile carries what ranks computing side by side do to each other's compute
+            (shared caches and memory bandwidth); 0: the machine is otherwise idle.
     """
     import json
 
     from lockstep.multiproc import spawn
 
-    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size),
+    if beside < 0:
+        raise ValueError(f"beside must be >= 0 (companion processes), got {beside}")
+    doc = spawn(_profile_worker, 1 + beside, (build, make_batch, loss_fn, steps, batch_size),
                 timeout=timeout)[0]
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:
