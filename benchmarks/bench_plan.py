@@ -6,10 +6,16 @@ Usage::
     python benchmarks/bench_plan.py --models mlp --worlds 2 --throttle 50
 
 For each model (the DDP benchmark's): profile one step at world 1 in a fresh one-thread process,
-measure this machine's all-reduce alpha/beta at each world size (``lockstep plan --measure-link``),
-predict the DDP step at that world, then run lockstep's DDP there and print both side by side.
+then run lockstep's DDP at each world size; the same processes measure the all-reduce alpha/beta
+(``lockstep plan --measure-link``'s sweep) right before their timed steps, so each prediction
+uses the link its run found. Predicted and measured are printed side by side, with the link
+(alpha, beta, and the range of beta over the sweep's rounds) and the predicted buffer broadcast.
+The last prediction uses a world-1 profile taken while ``min(world, cores) - 1`` other processes
+train the same model beside it (``profile_world1(beside=...)``): ranks computing side by side
+slow each other's compute, which a profile of a lone process does not show.
 ``--throttle MB/s`` adds a run whose comm hook holds each bucket as a link of that bus bandwidth
-would, and compares predicted with measured exposed communication.
+would, and compares predicted with measured exposed communication (which includes forward's
+wait for the buffer broadcast).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_ddp
 
-from lockstep.plan.measure import measure_link
+from lockstep.plan.measure import DEFAULT_SIZES
 from lockstep.plan.validate import (
     cpu_cores,
     measure_ddp,
@@ -87,36 +93,46 @@ def main() -> None:
                         help="also run with a comm hook throttling to this bus bandwidth")
     args = parser.parse_args()
 
-    links = {w: measure_link(w) for w in args.worlds}
-    for w, link in links.items():
-        print(f"measured at world {w}: alpha {link.alpha * 1e6:.1f} us, "
-              f"beta {link.beta / 1e9:.3f} GB/s", flush=True)
     cores = cpu_cores()
-    print(f"\n{cores} cores; 'shared cores' predicts with PlanOptions(cpu_cores={cores})")
-    print("\n| model | world | link | measured step ms | predicted ms | error "
-          "| predicted, shared cores | error | measured exposed ms | predicted exposed ms "
+    print(f"{cores} cores; 'shared cores' predicts with PlanOptions(cpu_cores={cores}). The link "
+          "of each row is measured by its run's own ranks just before the timed steps.")
+    print("\n| model | world | link | alpha us | beta GB/s (rounds) | measured step ms "
+          "| predicted ms | error | predicted, shared cores | error | shared cores, co-run profile "
+          "| error | predicted buffer bcast ms | measured exposed ms | predicted exposed ms "
           "(plain / shared cores) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         build, batch, loss = CASES[name]
         doctor = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH)
+        co_run = {n: profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH,
+                                    beside=n)
+                  for n in sorted({min(w, cores) - 1 for w in args.worlds}) if n > 0}
         for world in args.worlds:
-            variants = [("measured", links[world], None)]
+            variants = [("measured", None)]
             if args.throttle:
-                bw = args.throttle * 1e6
-                variants.append((f"throttled {args.throttle:g} MB/s",
-                                 throttled_link(links[world], bw), bw))
-            for label, link, throttle in variants:
+                variants.append((f"throttled {args.throttle:g} MB/s", args.throttle * 1e6))
+            for label, throttle in variants:
+                got = measure_ddp(build, batch, loss, world, steps=args.steps, throttle=throttle,
+                                  sweep_sizes=DEFAULT_SIZES)
+                sweep = got["link"]
+                real = sweep.link
+                link = real if throttle is None else throttled_link(real, throttle)
                 pred = predict_ddp(doctor, link, world)
                 # The throttle's holds are sleeps, not CPU work: the cores are shared by the
                 # compute and the real link's work, and the throttled link bounds it from below.
-                shared = max(predict_ddp(doctor, links[world], world, cpu_cores=cores), pred,
+                shared = max(predict_ddp(doctor, real, world, cpu_cores=cores), pred,
                              key=lambda p: p.step_s)
-                got = measure_ddp(build, batch, loss, world, steps=args.steps, throttle=throttle)
+                beside = co_run.get(min(world, cores) - 1, doctor)
+                co = max(predict_ddp(beside, real, world, cpu_cores=cores),
+                         predict_ddp(beside, link, world), key=lambda p: p.step_s)
                 ms = got["step_s"]
-                print(f"| {name} | {world} | {label} | {ms * 1e3:.1f} "
+                lo, hi = sweep.spread()["beta"]
+                print(f"| {name} | {world} | {label} | {real.alpha * 1e6:.0f} "
+                      f"| {real.beta / 1e9:.2f} ({lo / 1e9:.2f}-{hi / 1e9:.2f}) | {ms * 1e3:.1f} "
                       f"| {pred.step_s * 1e3:.1f} | {(pred.step_s / ms - 1) * 100:+.0f}% "
                       f"| {shared.step_s * 1e3:.1f} | {(shared.step_s / ms - 1) * 100:+.0f}% "
+                      f"| {co.step_s * 1e3:.1f} | {(co.step_s / ms - 1) * 100:+.0f}% "
+                      f"| {pred.detail['buffer_broadcast_s'] * 1e3:.2f} "
                       f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} / "
                       f"{shared.exposed_comm_s * 1e3:.1f} |", flush=True)
 

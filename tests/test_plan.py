@@ -251,9 +251,11 @@ def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, 
 
     def fake(nproc):
         calls.append(nproc)
-        return Link("measured", 1e-3, 1e8)
+        sizes = (10_000, 1_000_000)  # alpha 1 ms, beta 100 MB/s
+        times = tuple(2 * (nproc - 1) * 1e-3 + 2 * (nproc - 1) / nproc * s / 1e8 for s in sizes)
+        return measure.LinkSweep(nproc, sizes, (times, times), (times, times))
 
-    monkeypatch.setattr(measure, "measure_link", fake)
+    monkeypatch.setattr(measure, "measure_link_sweep", fake)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile_doc()))
     assert main(["plan", str(path), "--measure-link", "--nproc", "3", "--gpus", "2,3",

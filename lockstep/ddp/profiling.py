@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from lockstep.ddp.replica_sync import broadcast_messages, live_buffers
 from lockstep.doctor.arrivals import GradientArrivals
 from lockstep.doctor.recorder import Recorder
 from lockstep.doctor.records import StepTiming
@@ -36,6 +37,8 @@ class ProfiledDDP(nn.Module):
     process_group: Any  # dist.ProcessGroup (typed where DistributedDataParallel sets it)
     world_size: int
     require_backward_grad_sync: bool
+    forward_sync_buffers: bool
+    _buffer_slots: list[tuple[nn.Module, str]]
     _reducer: Reducer | None
     _trainable_names: list[str]
     _bucket_cap_bytes: int
@@ -85,7 +88,7 @@ class ProfiledDDP(nn.Module):
             params = [p for p in self.module.parameters() if p.requires_grad]
             group = self.process_group if self.world_size > 1 else None
             self._clock = Recorder(
-                self.device, params, group, self._bucket_layout, _model_info(self.module),
+                self.device, params, group, self._bucket_layout, self._profile_model_entry(),
                 out_dir, max_steps, warmup, gather_every,
             )
             self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
@@ -100,6 +103,9 @@ class ProfiledDDP(nn.Module):
         if self._reducer is not None:
             self._reducer.clock = self._clock
         return self._clock
+
+    def _profile_model_entry(self) -> dict[str, Any]:
+        return _model_entry(self.module, live_buffers(self._buffer_slots), self.forward_sync_buffers)
 
     @property
     def profiler(self) -> Recorder | None:
@@ -145,8 +151,13 @@ class ProfiledDDP(nn.Module):
                                synced=self._reducer is None)
 
 
-def _model_info(module: nn.Module) -> dict[str, Any]:
-    """The ``model`` entry of the profile format (docs/profile-format.md)."""
+def _model_entry(module: nn.Module, buffers: list[torch.Tensor],
+                broadcast_each_forward: bool) -> dict[str, Any]:
+    """The ``model`` entry of the profile format (docs/profile-format.md).
+
+    ``buffer_broadcasts`` lists the bytes of each message DDP broadcasts from rank 0 before
+    every forward (none when ``broadcast_buffers=False``); ``lockstep plan`` prices them.
+    """
     every = list(module.parameters())
     trained = [p for p in every if p.requires_grad]
     return {
@@ -155,6 +166,9 @@ def _model_info(module: nn.Module) -> dict[str, Any]:
         "param_bytes": sum(p.numel() * p.element_size() for p in every),
         "grad_bytes": sum(p.numel() * p.element_size() for p in trained),
         "dtype": str(trained[0].dtype).replace("torch.", "") if trained else None,
+        "buffers": len(buffers),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
+        "buffer_broadcasts": broadcast_messages(buffers) if broadcast_each_forward else [],
     }
 
 

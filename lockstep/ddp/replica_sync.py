@@ -16,6 +16,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = [
     "ReplicaMismatchError",
     "broadcast_coalesced",
+    "broadcast_messages",
     "buffer_slots",
     "first_mismatch",
     "live_buffers",
@@ -120,19 +121,34 @@ def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup
 ) -> None:
     """Broadcast ``tensors`` in place from global rank ``src``, few large messages, not many small."""
+    is_src = dist.get_rank() == src
+    for chunk in _coalesced(tensors):
+        flat = _flatten_dense_tensors([t.detach() for t in chunk])
+        dist.broadcast(flat, src=src, group=group)
+        if is_src:
+            continue  # the source already holds these values
+        with torch.no_grad():
+            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                t.copy_(synced)
+
+
+def broadcast_messages(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Bytes of each message :func:`broadcast_coalesced` sends for ``tensors``, in order.
+
+    One message per dtype and device (BatchNorm's float running statistics and its int64
+    ``num_batches_tracked`` are two), split at :data:`BROADCAST_CHUNK_BYTES`. ``lockstep plan``
+    prices DDP's buffer broadcast before every forward from these sizes.
+    """
+    return [sum(t.numel() * t.element_size() for t in chunk) for chunk in _coalesced(tensors)]
+
+
+def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    """The tensors grouped by (dtype, device) in first-seen order, each group in chunks."""
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
-    is_src = dist.get_rank() == src
     for group_tensors in by_key.values():
-        for chunk in _chunks(group_tensors):
-            flat = _flatten_dense_tensors([t.detach() for t in chunk])
-            dist.broadcast(flat, src=src, group=group)
-            if is_src:
-                continue  # the source already holds these values
-            with torch.no_grad():
-                for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
-                    t.copy_(synced)
+        yield from _chunks(group_tensors)
 
 
 def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:

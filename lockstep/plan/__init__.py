@@ -5,7 +5,7 @@ See docs/plan.md for the cost model, its assumptions and its validation.
 
 from lockstep.plan.costs import Cost, collective
 from lockstep.plan.links import PRESETS, Link, Topology, parse_link, parse_topology
-from lockstep.plan.measure import fit_alpha_beta, measure_link
+from lockstep.plan.measure import LinkSweep, fit_alpha_beta, measure_link, measure_link_sweep
 from lockstep.plan.memory import Memory, model_state_memory
 from lockstep.plan.model import PlanOptions, Prediction, predict, simulate_buckets
 from lockstep.plan.planner import Plan, plan
@@ -23,6 +23,7 @@ __all__ = [
     "Bucket",
     "Cost",
     "Link",
+    "LinkSweep",
     "Memory",
     "Plan",
     "PlanOptions",
@@ -36,6 +37,7 @@ __all__ = [
     "fit_alpha_beta",
     "load_profile",
     "measure_link",
+    "measure_link_sweep",
     "model_state_memory",
     "parse_link",
     "parse_strategies",

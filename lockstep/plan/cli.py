@@ -70,6 +70,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_argument("--mfu", type=float, default=0.4, help="share of peak reached (0.4)")
     what_if.add_argument("--dtype", default="bfloat16", help="gradient dtype (bfloat16)")
     what_if.add_argument("--optimizer-time", type=float, default=0.0, help="seconds per step")
+    what_if.add_argument("--buffer-bytes", type=parse_count, default=0.0,
+                         help="bytes of module buffers (BatchNorm statistics) DDP broadcasts "
+                         "before every forward, e.g. 40k (default 0)")
     parser.add_argument("--json", dest="json_path", help="write the plan as JSON here ('-': stdout)")
     parser.add_argument("--png", dest="png_path", help="write the efficiency plot here")
 
@@ -87,7 +90,8 @@ def _workload(args: argparse.Namespace):  # -> Workload
     gpu_flops = args.gpu_tflops * 1e12 if args.gpu_tflops else None
     return describe(args.params, step_time=args.step_time, flops_per_sample=args.flops_per_sample,
                     gpu_flops=gpu_flops, utilization=args.mfu, batch_size=args.batch_size or 1,
-                    dtype=args.dtype, optimizer_time=args.optimizer_time)
+                    dtype=args.dtype, optimizer_time=args.optimizer_time,
+                    buffer_bytes=args.buffer_bytes)
 
 
 def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
@@ -102,7 +106,7 @@ def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from lockstep.plan.measure import measure_link
+    from lockstep.plan.measure import measure_link_sweep
     from lockstep.plan.model import PlanOptions
     from lockstep.plan.planner import plan
 
@@ -113,9 +117,9 @@ def run_plan(args: argparse.Namespace) -> int:
         measured = None
         if args.measure_link:
             print(f"measuring all-reduce on {args.nproc} local ranks...", file=sys.stderr)
-            measured = measure_link(args.nproc)
-            print(f"measured alpha {measured.alpha * 1e6:.1f} us, beta {measured.beta / 1e9:.3g} GB/s",
-                  file=sys.stderr)
+            sweep = measure_link_sweep(args.nproc)
+            measured = sweep.link
+            print(f"measured {sweep.describe()}", file=sys.stderr)
         topology = _topology(args, workload, measured).scaled(args.link_efficiency)
         options = PlanOptions(
             optimizer=args.optimizer,

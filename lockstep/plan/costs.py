@@ -9,7 +9,10 @@ and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations"
 * pipelined (double binary) tree all-reduce: ``2 ceil(log2 n) alpha + 2 S/beta`` -- fewer hops,
   the same bytes on the busiest link as the ring, up to the ``(n-1)/n`` factor;
 * hierarchical (g GPUs per node, m nodes): reduce-scatter inside the node, all-reduce of the
-  node's ``S/g`` shard across nodes on each GPU's share of the node's ports, all-gather inside.
+  node's ``S/g`` shard across nodes on each GPU's share of the node's ports, all-gather inside;
+* broadcast of ``S`` bytes from one rank: a binomial tree, ``ceil(log2 n) (alpha + S/beta)``
+  (gloo's algorithm; MPICH's for short messages), or a pipelined chain, ``(n-1) alpha + S/beta``
+  (NCCL's ring; MPICH's long-message scatter + all-gather has the same bandwidth term).
 
 A flat ring across nodes crosses each node boundary once per ring; with one ring per port its
 bandwidth term is limited by the node's total port bandwidth, like the hierarchical scheme, but it
@@ -24,11 +27,21 @@ from dataclasses import dataclass
 
 from lockstep.plan.links import Link, Topology
 
-__all__ = ["Cost", "collective", "point_to_point", "ring_allreduce", "ring_shard", "tree_allreduce"]
+__all__ = [
+    "Cost",
+    "chain_broadcast",
+    "collective",
+    "point_to_point",
+    "ring_allreduce",
+    "ring_shard",
+    "tree_allreduce",
+    "tree_broadcast",
+]
 
 ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_GATHER = "all_gather"
+BROADCAST = "broadcast"
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,21 @@ def ring_shard(nbytes: float, n: int, link: Link) -> Cost:
     return _cost((n - 1) * link.alpha, (n - 1) / n * nbytes / link.beta, "ring", "intra")
 
 
+def tree_broadcast(nbytes: float, n: int, link: Link) -> Cost:
+    """``ceil(log2 n) (alpha + S/beta)``: a binomial tree, every round sends the whole message."""
+    if n <= 1:
+        return Cost.zero()
+    rounds = math.ceil(math.log2(n))
+    return _cost(rounds * link.alpha, rounds * nbytes / link.beta, "tree", "intra")
+
+
+def chain_broadcast(nbytes: float, n: int, link: Link) -> Cost:
+    """``(n-1) alpha + S/beta``: a pipelined chain (ring), each link carries the message once."""
+    if n <= 1:
+        return Cost.zero()
+    return _cost((n - 1) * link.alpha, nbytes / link.beta, "ring", "intra")
+
+
 def point_to_point(nbytes: float, link: Link) -> Cost:
     """One message of ``S`` bytes over one hop."""
     return _cost(link.alpha, nbytes / link.beta, "p2p", "intra")
@@ -99,8 +127,9 @@ def collective(kind: str, nbytes: float, world: int, topo: Topology) -> Cost:
     """The cheapest ring, tree or hierarchical schedule of ``kind`` over ``world`` ranks.
 
     Args:
-        kind: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``.
-        nbytes: bytes per rank before the collective (for all-gather: the gathered total).
+        kind: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"`` or ``"broadcast"``.
+        nbytes: bytes per rank before the collective (for all-gather: the gathered total; for
+            broadcast: the message).
         world: number of ranks, filling nodes of ``topo.gpus_per_node`` in order.
     """
     if world <= 1 or nbytes <= 0:
@@ -115,8 +144,13 @@ def collective(kind: str, nbytes: float, world: int, topo: Topology) -> Cost:
     elif kind in (REDUCE_SCATTER, ALL_GATHER):
         c = ring_shard(nbytes, world, flat)
         candidates.append(_cost(c.latency_s, c.bandwidth_s, "ring", level))
+    elif kind == BROADCAST:
+        for c in (tree_broadcast(nbytes, world, flat), chain_broadcast(nbytes, world, flat)):
+            candidates.append(_cost(c.latency_s, c.bandwidth_s, c.algorithm, level))
+        return min(candidates, key=lambda c: c.seconds)  # flat only: no hierarchical variant
     else:
-        raise ValueError(f"unknown collective {kind!r}: use all_reduce, reduce_scatter or all_gather")
+        raise ValueError(f"unknown collective {kind!r}: use all_reduce, reduce_scatter, "
+                         "all_gather or broadcast")
     if nodes > 1 and per_node > 1:
         candidates.append(_hierarchical(kind, nbytes, per_node, nodes, topo))
     return min(candidates, key=lambda c: c.seconds)

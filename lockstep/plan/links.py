@@ -28,18 +28,29 @@ __all__ = ["PRESETS", "Link", "Topology", "format_bytes_per_s", "parse_link", "p
 
 @dataclass(frozen=True)
 class Link:
-    """One level of the network: ``alpha`` seconds per hop, ``beta`` bytes/s per direction."""
+    """One level of the network: ``alpha`` seconds per hop, ``beta`` bytes/s per direction.
+
+    ``cpu_share``: for a CPU backend, the shares of a collective's latency and bandwidth terms
+    that are work of the rank's own CPU (gloo's copies into and out of sockets and its sums),
+    the rest being waits; measured by :func:`~lockstep.plan.measure.measure_link`. ``None``:
+    unknown, counted as all CPU work. Only ``PlanOptions.cpu_cores`` uses it.
+    """
 
     name: str
     alpha: float
     beta: float
     source: str = ""
+    cpu_share: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.alpha >= 0:
             raise ValueError(f"link {self.name!r}: alpha must be >= 0 seconds, got {self.alpha}")
         if not self.beta > 0:
             raise ValueError(f"link {self.name!r}: beta must be > 0 bytes/s, got {self.beta}")
+        if self.cpu_share is not None and (
+                len(self.cpu_share) != 2 or not all(x >= 0 for x in self.cpu_share)):
+            raise ValueError(f"link {self.name!r}: cpu_share must be two shares >= 0 (latency, "
+                             f"bandwidth), got {self.cpu_share}")
 
     def scaled(self, efficiency: float) -> Link:
         """The same link delivering ``efficiency`` of its bandwidth (0 < efficiency <= 1)."""

@@ -1,6 +1,8 @@
 """Step time, overlap and memory of one strategy at one GPU count: the planner's core.
 
-A step is ``data + forward + backward + exposed communication + optimizer``. Each gradient bucket
+A step is ``data + forward + backward + exposed communication + optimizer``, plus what is sent
+outside backward and never hidden (the buffer broadcast before forward, ZeRO's parameter
+all-gather, local SGD's average). Each gradient bucket
 is sent on one link queue in launch order: it starts at ``max(ready, previous bucket done)`` (plus
 its encode time when compressed) and takes the collective's alpha-beta cost (plus decode). What
 is still running when backward's compute ends is *exposed*. The bucket that becomes ready last
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from lockstep.plan.costs import (
     ALL_GATHER,
     ALL_REDUCE,
+    BROADCAST,
     REDUCE_SCATTER,
     Cost,
     collective,
@@ -26,7 +29,7 @@ from lockstep.plan.memory import Memory, model_state_memory
 from lockstep.plan.strategies import Strategy
 from lockstep.plan.workload import DTYPE_BYTES, Workload
 
-__all__ = ["PlanOptions", "Prediction", "predict", "simulate_buckets"]
+__all__ = ["PlanOptions", "Prediction", "buffer_broadcast", "predict", "simulate_buckets"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,11 @@ class PlanOptions:
         cpu_cores: for a CPU profile, the cores of one node. Each CPU rank computes on one
             thread and its communication (gloo's copies, sums and loopback sends) is CPU work
             too: when a node's ranks and their communication need more cores than it has, they
-            time-share them, so the step is at least ``ranks_per_node * (compute + link time) /
-            cpu_cores`` and communication hides behind nothing. ``None``: cores are not counted
-            (a device per rank, as with GPUs). Ignored for GPU profiles.
+            time-share them, so the step is at least ``ranks_per_node * (compute + CPU work of
+            the collectives + bucket copies) / cpu_cores`` and communication hides behind
+            nothing. A collective's CPU work is its latency and bandwidth terms scaled by the
+            link's measured ``cpu_share`` (all of it when unknown). ``None``: cores are not
+            counted (a device per rank, as with GPUs). Ignored for GPU profiles.
     """
 
     optimizer: str = "adam"
@@ -169,34 +174,31 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     exposed, link_s, costs, last, copies = _backward_comm(workload, topo, world, strategy, options)
     forward = workload.forward
     optimizer = workload.optimizer / (world if strategy.zero_stage >= 1 else 1)
-    extra = 0.0  # communication outside backward, never hidden
-    extra_cost = Cost.zero()
+    buffers = (buffer_broadcast(workload, topo, world) if strategy.broadcasts_buffers
+               else Cost.zero())
+    outside = [buffers]  # communication outside backward, never hidden
     if strategy.zero_stage == 3 and world > 1:
         forward = _zero3_forward(workload, topo, world)
     elif strategy.zero_stage in (1, 2) and world > 1:
-        extra_cost = collective(ALL_GATHER, param_bytes, world, topo)
+        outside.append(collective(ALL_GATHER, param_bytes, world, topo))
     if strategy.averages_parameters and world > 1:
         # Local SGD / DiLoCo: one all-reduce of the fp32 parameters (or of the change) every H.
-        extra_cost = collective(ALL_REDUCE, workload.parameters * 4, world, topo)
-        extra_cost = Cost(extra_cost.seconds / strategy.sync_every,
-                          extra_cost.latency_s / strategy.sync_every,
-                          extra_cost.bandwidth_s / strategy.sync_every,
-                          extra_cost.algorithm, extra_cost.bound_by)
+        c = collective(ALL_REDUCE, workload.parameters * 4, world, topo)
+        h = strategy.sync_every
+        outside.append(Cost(c.seconds / h, c.latency_s / h, c.bandwidth_s / h, c.algorithm,
+                            c.bound_by))
         if strategy.outer_optimizer:
             optimizer += workload.optimizer / strategy.sync_every
     if strategy.data_parallel and world > 1:
-        # Replicate from device 0 before forward, reduce gradients onto it after backward.
-        one = point_to_point(param_bytes, topo.intra)
-        chain = (world - 1) * topo.intra.alpha
-        extra_cost = Cost(2 * (one.seconds + chain), 2 * (one.latency_s + chain),
-                          2 * one.bandwidth_s, "bcast+reduce", "intra")
-    extra = extra_cost.seconds
+        outside.append(_replicate_and_reduce(workload, topo, world, param_bytes))
+    outside = [c for c in outside if c.seconds > 0]
+    extra = sum(c.seconds for c in outside)
     link_s += extra
     exposed_total = exposed + extra + (forward - workload.forward)
     step = (workload.data + forward + workload.backward + exposed + optimizer + extra
             + workload.other)
     shared = _shared_cores(workload, options, per_node, step - exposed_total - workload.data,
-                           link_s + copies)
+                           _cpu_work(costs + outside, topo) + copies)
     if shared is not None and shared > step:
         exposed_total += shared - step
         step = shared
@@ -205,7 +207,7 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
                                 strategy.zero_stage, mixed_precision=mixed,
                                 optimizer=options.optimizer)
     fits = options.gpu_memory is None or memory.total <= options.gpu_memory
-    all_costs = costs + ([extra_cost] if extra > 0 else [])
+    all_costs = costs + outside
     binding = _binding(workload, step, exposed_total, all_costs, fits)
     if shared is not None and shared >= step and fits:
         binding = f"cpu cores ({per_node} ranks on {options.cpu_cores})"
@@ -217,21 +219,57 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         algorithm=algorithm, fits=fits, exact=strategy.exact,
         detail={"forward_s": forward, "backward_s": workload.backward, "optimizer_s": optimizer,
                 "data_s": workload.data, "other_s": workload.other, "exposed_after_backward_s": exposed,
-                "outside_backward_s": extra, "last_bucket_s": last},
+                "outside_backward_s": extra, "last_bucket_s": last,
+                "buffer_broadcast_s": buffers.seconds},
     )
 
 
+def buffer_broadcast(workload: Workload, topo: Topology, world: int) -> Cost:
+    """DDP's broadcast of rank 0's buffers before every forward: one collective per message.
+
+    Every rank waits for it before its forward starts, so nothing hides it.
+    """
+    total = Cost.zero()
+    for nbytes in workload.buffer_broadcasts:
+        c = collective(BROADCAST, nbytes, world, topo)
+        if c.seconds > 0:
+            total = Cost(total.seconds + c.seconds, total.latency_s + c.latency_s,
+                         total.bandwidth_s + c.bandwidth_s, f"{c.algorithm} bcast", c.bound_by)
+    return total
+
+
+def _replicate_and_reduce(workload: Workload, topo: Topology, world: int,
+                          param_bytes: float) -> Cost:
+    """DataParallel: parameters and buffers copied from device 0 before forward, gradients
+    reduced onto it after backward, each a chain of point-to-point copies."""
+    chain = (world - 1) * topo.intra.alpha
+    out = point_to_point(param_bytes + sum(workload.buffer_broadcasts), topo.intra)
+    back = point_to_point(param_bytes, topo.intra)
+    return Cost(out.seconds + back.seconds + 2 * chain, out.latency_s + back.latency_s + 2 * chain,
+                out.bandwidth_s + back.bandwidth_s, "bcast+reduce", "intra")
+
+
+def _cpu_work(costs: list[Cost], topo: Topology) -> float:
+    """Seconds of a rank's CPU that ``costs`` take: each term times its link's ``cpu_share``."""
+    total = 0.0
+    for c in costs:
+        link = topo.across() if c.bound_by == "inter" else topo.intra
+        latency, bandwidth = link.cpu_share if link.cpu_share is not None else (1.0, 1.0)
+        total += c.latency_s * latency + c.bandwidth_s * bandwidth
+    return total
+
+
 def _shared_cores(workload: Workload, options: PlanOptions, ranks: int, compute: float,
-                  link_s: float) -> float | None:
+                  cpu_comm: float) -> float | None:
     """The step when a CPU node's ranks time-share its cores (``PlanOptions.cpu_cores``), or None.
 
-    ``compute`` is a rank's CPU work besides data loading and communication; ``link_s`` its
-    communication and bucket copies, all of it CPU work on a CPU backend. ``ranks`` ranks need
-    ``ranks * (compute + link_s)`` core-seconds per step from ``cpu_cores`` cores.
+    ``compute`` is a rank's CPU work besides data loading and communication; ``cpu_comm`` the
+    CPU work of its collectives and bucket copies. ``ranks`` ranks need
+    ``ranks * (compute + cpu_comm)`` core-seconds per step from ``cpu_cores`` cores.
     """
     if options.cpu_cores is None or workload.device != "cpu":
         return None
-    return workload.data + ranks * (compute + link_s) / options.cpu_cores
+    return workload.data + ranks * (compute + cpu_comm) / options.cpu_cores
 
 
 def _binding(workload: Workload, step: float, exposed: float, costs: list[Cost], fits: bool) -> str:

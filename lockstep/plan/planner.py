@@ -117,9 +117,17 @@ def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -
         (f"optimizer state: {options.optimizer}, "
         f"{'mixed precision' if options.mixed_precision else 'precision from the gradient dtype'}"),
     ]
+    if workload.buffer_broadcasts:
+        out.append(f"DDP, ZeRO-1 and local SGD broadcast {sum(workload.buffer_broadcasts):,.0f} "
+                   f"bytes of buffers from rank 0 before every forward "
+                   f"({len(workload.buffer_broadcasts)} message(s)), never hidden")
     if options.cpu_cores is not None and workload.device == "cpu":
+        share = topology.intra.cpu_share
+        work = (f"{share[0]:.0%} of its latency and {share[1]:.0%} of its bandwidth term, "
+                "as measured" if share is not None else "all of it: no measured CPU share")
         out.append(f"CPU ranks time-share {options.cpu_cores} cores per node with their "
-                   "communication: the step is at least ranks x (compute + link time) / cores")
+                   "communication: the step is at least ranks x (compute + the collectives' CPU "
+                   f"work + bucket copies) / cores; a collective's CPU work: {work}")
     if workload.source == "described" or any(n.startswith("synthetic") for n in workload.notes):
         out.append("bucket ready times assumed uniform in bytes over backward (no profile)")
     return out + list(workload.notes)

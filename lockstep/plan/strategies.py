@@ -42,6 +42,17 @@ class Strategy:
         """
         return not self.averages_parameters
 
+    @property
+    def broadcasts_buffers(self) -> bool:
+        """Whether the model runs under DDP, which broadcasts rank 0's buffers before every forward.
+
+        DDP and its compressed variants, ZeRO-1 (an optimizer beside DDP) and local SGD/DiLoCo
+        (DDP with a hook that sends nothing) do; lockstep's ZeRO-2 runs unwrapped or under
+        ``no_sync`` and FSDP (ZeRO-3) keeps each rank's buffers, so they do not; DataParallel
+        copies buffers with the parameters when it replicates (priced there).
+        """
+        return not self.data_parallel and self.zero_stage <= 1
+
 
 def parse_strategy(text: str, grad_dtype: str = "float32") -> Strategy:
     """One strategy name from the module table."""

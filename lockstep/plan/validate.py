@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +25,11 @@ from lockstep.plan.strategies import parse_strategy
 from lockstep.plan.workload import Workload, load_profile
 
 __all__ = [
-    "Throttle", "cpu_cores", "measure_ddp", "predict_ddp", "profile_world1", "throttle_hook",
-    "throttled_link",
+    "SWEEP_ROUNDS", "Throttle", "cpu_cores", "measure_ddp", "predict_ddp", "profile_world1",
+    "throttle_hook", "throttled_link",
 ]
+
+SWEEP_ROUNDS = 9  # all-reduce sweep rounds a measured run does before its timed steps
 
 
 class Throttle:
@@ -80,34 +82,49 @@ def throttled_link(link: Link, bandwidth: float) -> Link:
 def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
                     steps: int, batch_size: int | None) -> dict:
     torch.manual_seed(0)
+    import torch.distributed as dist
+
     import lockstep
     from lockstep.doctor.api import gather_report
 
     lockstep.init_distributed()
-    ddp = lockstep.DistributedDataParallel(build())
+    # Every rank trains alone (a group of one each): rank 0's profile is a world of one, the
+    # others only compute beside it, as the ranks of the predicted world will.
+    solos = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    ddp = lockstep.DistributedDataParallel(build(), process_group=solos[rank])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
+    dist.barrier()
     for _ in range(3 + steps):
         opt.zero_grad()
         loss_fn(ddp(x), y).backward()
         opt.step()
-    return gather_report(recorder)
+    report = gather_report(recorder)
+    dist.barrier()  # the companions keep computing until rank 0 is done
+    return report
 
 
 def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, steps: int = 10,
                    batch_size: int | None = None, path: str | None = None,
-                   timeout: float = 300.0) -> dict:
+                   timeout: float = 300.0, beside: int = 0) -> dict:
     """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
 
     It is the doctor's profile (``enable_profiling``): at a world of one it lists the buckets
     DDP would send and when each would be ready (:mod:`lockstep.doctor.arrivals`).
+
+    Args:
+        beside: processes that train the same model alone at the same time (one thread each),
+            so the profile carries what ranks computing side by side do to each other's compute
+            (shared caches and memory bandwidth); 0: the machine is otherwise idle.
     """
     import json
 
     from lockstep.multiproc import spawn
 
-    doc = spawn(_profile_worker, 1, (build, make_batch, loss_fn, steps, batch_size),
+    if beside < 0:
+        raise ValueError(f"beside must be >= 0 (companion processes), got {beside}")
+    doc = spawn(_profile_worker, 1 + beside, (build, make_batch, loss_fn, steps, batch_size),
                 timeout=timeout)[0]
     if path is not None:
         with open(path, "w", encoding="utf-8") as f:
@@ -116,10 +133,12 @@ def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, 
 
 
 def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable, steps: int,
-                throttle: float | None) -> dict:
+                throttle: float | None, sweep_sizes: Sequence[int] | None) -> dict:
     import torch.distributed as dist
 
     import lockstep
+    from lockstep.doctor.records import phases_of
+    from lockstep.plan.measure import sweep_allreduce
 
     lockstep.init_distributed()
     torch.manual_seed(0)
@@ -132,6 +151,8 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+    # The link as this run finds it: measured by the same processes just before the steps.
+    sweep = sweep_allreduce(sweep_sizes, SWEEP_ROUNDS) if sweep_sizes else None
     model.enable_step_timing()
     dist.barrier()
     start = time.perf_counter()
@@ -140,18 +161,33 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
         loss_fn(model(x), y).backward()
         opt.step()
     step_s = (time.perf_counter() - start) / steps
-    exposed = statistics.median(t.exposed_comm_s for t in model.step_timings)
-    return {"step_s": step_s, "exposed_s": exposed}
+    recorded = model.profiler.payload()["steps"] if model.profiler is not None else []
+    # Exposed: backward's wait for the all-reduces and forward's wait for the buffer broadcast.
+    waits = [phases_of(s)["exposed_comm"] for s in recorded[1:]] or [0.0]
+    return {"step_s": step_s, "exposed_s": statistics.median(waits),
+            "exposed_backward_s": statistics.median(t.exposed_comm_s for t in model.step_timings),
+            "sweep": sweep}
 
 
 def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world: int, *,
-                steps: int = 10, throttle: float | None = None, timeout: float = 300.0) -> dict:
-    """Median step and exposed-communication seconds of lockstep's DDP at ``world`` ranks
-    (the slowest rank's)."""
-    from lockstep.multiproc import spawn
+                steps: int = 10, throttle: float | None = None, timeout: float = 300.0,
+                sweep_sizes: Sequence[int] | None = None) -> dict:
+    """Step and exposed-communication seconds of lockstep's DDP at ``world`` ranks (the slowest
+    rank's; exposed is the median step's, including the wait for the buffer broadcast).
 
-    rows = spawn(_ddp_worker, world, (build, make_batch, loss_fn, steps, throttle), timeout=timeout)
-    return {"step_s": max(r["step_s"] for r in rows), "exposed_s": max(r["exposed_s"] for r in rows)}
+    With ``sweep_sizes``, the same processes first run :func:`~lockstep.plan.measure.sweep_allreduce`
+    right before the timed steps; ``"link"`` is then the :class:`~lockstep.plan.measure.LinkSweep`.
+    """
+    from lockstep.multiproc import spawn
+    from lockstep.plan.measure import LinkSweep
+
+    rows = spawn(_ddp_worker, world, (build, make_batch, loss_fn, steps, throttle, sweep_sizes),
+                 timeout=timeout)
+    out: dict[str, Any] = {k: max(r[k] for r in rows)
+                           for k in ("step_s", "exposed_s", "exposed_backward_s")}
+    if sweep_sizes:
+        out["link"] = LinkSweep.combine([r["sweep"] for r in rows], sweep_sizes)
+    return out
 
 
 def predict_ddp(profile: dict | str | Workload, link: Link, world: int,

@@ -2,7 +2,7 @@
 
 A :class:`Workload` holds per-step seconds at one per-GPU batch (data, forward, backward,
 optimizer), the gradient buckets in launch order with the moment each becomes ready after
-backward starts, and the model's size. :func:`load_profile` reads the doctor's ``profile.json``
+backward starts, the model's size, and the buffers DDP broadcasts before every forward. :func:`load_profile` reads the doctor's ``profile.json``
 (docs/profile-format.md); :func:`describe` builds one from a parameter count and a step time or
 flops for what-if questions.
 """
@@ -61,6 +61,9 @@ class Workload:
     source: str = "described"
     link: Link | None = None  # measured by the profiler, if it did
     notes: tuple[str, ...] = field(default=())
+    # Bytes of each message DDP broadcasts from rank 0 before every forward (BatchNorm's running
+    # statistics: one message per buffer dtype); empty: no buffers, or broadcast_buffers=False.
+    buffer_broadcasts: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parameters <= 0:
@@ -70,6 +73,9 @@ class Workload:
         for name in ("forward", "backward", "optimizer", "data", "other"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} time must be >= 0 s, got {getattr(self, name)}")
+        if not all(math.isfinite(b) and b >= 0 for b in self.buffer_broadcasts):
+            raise ValueError(f"buffer broadcast sizes must be finite bytes >= 0, got "
+                             f"{list(self.buffer_broadcasts)}")
         if not self.buckets:
             object.__setattr__(self, "buckets", synthetic_buckets(self.grad_bytes, self.backward))
 
@@ -110,7 +116,7 @@ def describe(parameters: float, *, step_time: float | None = None,
              flops_per_sample: float | None = None, gpu_flops: float | None = None,
              utilization: float = 0.4, batch_size: int = 1, dtype: str = "bfloat16",
              optimizer_time: float = 0.0, data_time: float = 0.0,
-             device: str = "cuda") -> Workload:
+             device: str = "cuda", buffer_bytes: float = 0.0) -> Workload:
     """A what-if workload from a model's size and either its measured or its computed step time.
 
     Args:
@@ -119,6 +125,8 @@ def describe(parameters: float, *, step_time: float | None = None,
         flops_per_sample: training flops per sample (about 6 x parameters x tokens for a
             transformer); with ``gpu_flops`` (peak flop/s) and ``utilization`` gives the time.
         dtype: dtype of the reduced gradients.
+        buffer_bytes: bytes of the module's buffers (BatchNorm's running statistics), which
+            DDP broadcasts from rank 0 before every forward, priced as one message.
 
     Forward takes a third of the compute and backward two thirds (backward computes gradients
     with respect to both activations and weights).
@@ -133,9 +141,12 @@ def describe(parameters: float, *, step_time: float | None = None,
         step_time = float(flops_per_sample) * batch_size / (gpu_flops * utilization)  # type: ignore[arg-type]
     if step_time <= 0:
         raise ValueError(f"step time must be positive, got {step_time}")
+    if not buffer_bytes >= 0:
+        raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
     return Workload(parameters=int(parameters), grad_dtype=dtype, forward=step_time / 3,
                     backward=2 * step_time / 3, optimizer=optimizer_time, data=data_time,
-                    batch_size=batch_size, device=device, source="described")
+                    batch_size=batch_size, device=device, source="described",
+                    buffer_broadcasts=(float(buffer_bytes),) if buffer_bytes > 0 else ())
 
 
 def _need(obj: dict, key: str, where: str, path: str) -> Any:
@@ -181,15 +192,42 @@ def load_profile(path: str | Path) -> Workload:
                                                     "exposed_comm"))
     # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
     other = max(0.0, float(phases.get("step", known)) - known)
+    notes: tuple[str, ...] = ()
+    if not buckets:
+        notes += (("synthetic buckets: the profile lists none (world 1?), so DDP's 1 MB + 25 MB "
+                   "buckets are assumed, ready uniformly over backward"),)
+    broadcasts = _buffer_broadcasts(model, path)
+    if broadcasts is None:
+        notes += (("the profile records no buffers (written before the doctor did): DDP's "
+                   "buffer broadcast before each forward is not priced"),)
     return Workload(
         parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
         forward=float(phases["forward"]), backward=float(phases["backward"]),
         optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
         other=other, batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
-        device=device.split(":")[0], source=path, link=link,
-        notes=() if buckets else (("synthetic buckets: the profile lists none (world 1?), so DDP's "
-                                  "1 MB + 25 MB buckets are assumed, ready uniformly over backward"),),
+        device=device.split(":")[0], source=path, link=link, notes=notes,
+        buffer_broadcasts=broadcasts or (),
     )
+
+
+def _buffer_broadcasts(model: dict, path: str) -> tuple[float, ...] | None:
+    """``model.buffer_broadcasts`` (bytes per message), or one message of ``buffer_bytes``;
+    None when the profile has neither (an older profile: nothing is known)."""
+    if "buffer_broadcasts" in model:
+        raw = model["buffer_broadcasts"]
+        field_name = "model.buffer_broadcasts"
+    elif "buffer_bytes" in model:
+        raw = [model["buffer_bytes"]] if model["buffer_bytes"] else []
+        field_name = "model.buffer_bytes"
+    else:
+        return None
+    try:
+        sizes = tuple(float(x) for x in raw)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{path}: {field_name} must be a list of byte counts, got {raw!r}") from None
+    if not all(math.isfinite(x) and x >= 0 for x in sizes):
+        raise ProfileError(f"{path}: {field_name} has {list(sizes)}; sizes must be finite and >= 0")
+    return sizes
 
 
 def _checked(buckets: tuple[Bucket, ...], path: str) -> tuple[Bucket, ...]:
