@@ -78,3 +78,24 @@ def test_shared_cores_count_only_the_cpu_share_of_a_collective():
     assert part.step_s == pytest.approx(0.001 + 3 * (compute + 0.5 * latency + 0.25 * bandwidth) / 2)
     with pytest.raises(ValueError, match="cpu_share"):
         Link("bad", 1e-3, 1e9, cpu_share=(-1.0, 0.5))
+
+
+def test_a_throttles_sleeps_add_to_the_time_shared_step():
+    """Validation's throttled runs on shared cores: the holds take no core, so they add to the
+    time-shared step the exposed time they add where nothing is time-shared."""
+    from lockstep.plan.validate import predict_ddp, predict_throttled_shared, throttled_link
+
+    w = Workload(parameters=1_000_000, grad_dtype="float32", forward=0.010, backward=0.020,
+                 optimizer=0.002, data=0.001, batch_size=8, device="cpu",
+                 buckets=(Bucket(4e6, 0.010), Bucket(4e6, 0.020)))
+    real = Link("loopback", 1e-3, 1e9, cpu_share=(0.5, 0.5))
+    shared = predict_ddp(w, real, 3, cpu_cores=2)
+    plain = predict_ddp(w, real, 3)
+    held = predict_ddp(w, throttled_link(real, 50e6), 3)
+    step, exposed = predict_throttled_shared(w, real, 50e6, 3, 2)
+    extra = held.exposed_comm_s - plain.exposed_comm_s
+    assert extra > 0.1  # 8 MB through 50 MB/s: the holds dominate
+    assert step == pytest.approx(shared.step_s + extra)
+    assert exposed == pytest.approx(shared.exposed_comm_s + extra)
+    # More than either bound alone (the old benchmark took the larger of the two).
+    assert step > max(shared.step_s, held.step_s)

@@ -25,7 +25,8 @@ from lockstep.plan.strategies import parse_strategy
 from lockstep.plan.workload import Workload, load_profile
 
 __all__ = [
-    "SWEEP_ROUNDS", "Throttle", "cpu_cores", "measure_ddp", "predict_ddp", "profile_world1",
+    "SWEEP_ROUNDS", "Throttle", "cpu_cores", "measure_ddp", "predict_ddp",
+    "predict_throttled_shared", "profile_world1",
     "throttle_hook", "throttled_link",
 ]
 
@@ -216,3 +217,18 @@ def predict_ddp(profile: dict | str | Workload, link: Link, world: int,
                      PlanOptions(cpu_cores=cpu_cores))
     assert result is not None  # DDP always runs
     return result
+
+
+def predict_throttled_shared(profile: dict | str | Workload, real: Link, throttle: float,
+                             world: int, cpu_cores: int) -> tuple[float, float]:
+    """(step, exposed) seconds of a throttled run whose ranks time-share ``cpu_cores`` cores.
+
+    The throttle's holds are sleeps: they take no core, so the time-shared step on the real
+    link (:attr:`PlanOptions.cpu_cores`) stands, and what the holds add is the exposed time
+    they add when nothing is time-shared (the plain model with and without the throttle).
+    """
+    shared = predict_ddp(profile, real, world, cpu_cores=cpu_cores)
+    plain = predict_ddp(profile, real, world)
+    held = predict_ddp(profile, throttled_link(real, throttle), world)
+    extra = max(0.0, held.exposed_comm_s - plain.exposed_comm_s)
+    return shared.step_s + extra, shared.exposed_comm_s + extra
