@@ -329,6 +329,8 @@ def test_cpu_ranks_time_share_the_cores():
     shared = predict(w, Topology(link, 4), 3, ddp, PlanOptions(cpu_cores=2))
     assert plain is not None and one_each is not None and shared is not None
     assert one_each.step_s == plain.step_s  # enough cores: the ordinary overlap model
+    a_core_each = predict(w, Topology(link, 4), 2, ddp, PlanOptions(cpu_cores=2))
+    assert a_core_each is not None and a_core_each.step_s == plain.step_s
     compute = 0.010 + 0.020 + 0.002
     copies = 2 * 2 * (2e6 + 2e6) / 5e9  # into and out of both buckets at 5 GB/s (CPU default)
     assert shared.step_s == pytest.approx(0.001 + 3 * (compute + shared.comm_s + copies) / 2)

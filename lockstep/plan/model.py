@@ -45,10 +45,10 @@ class PlanOptions:
             ``None``: 2 TB/s on CUDA (about 60% of an H100's HBM3), 5 GB/s on CPU.
         cpu_cores: for a CPU profile, the cores of one node. Each CPU rank computes on one
             thread and its communication (gloo's copies, sums and loopback sends) is CPU work
-            too: when a node's ranks and their communication need more cores than it has, they
-            time-share them, so the step is at least ``ranks_per_node * (compute + CPU work of
-            the collectives + bucket copies) / cpu_cores`` and communication hides behind
-            nothing. A collective's CPU work is its latency and bandwidth terms scaled by the
+            too: when a node has more ranks than cores, they time-share them, so the step is
+            at least ``ranks_per_node * (compute + CPU work of the collectives + bucket
+            copies) / cpu_cores`` and communication hides behind nothing. With a core per
+            rank the ordinary overlap model stands (measured closer there: docs/plan.md). A collective's CPU work is its latency and bandwidth terms scaled by the
             link's measured ``cpu_share`` (all of it when unknown). ``None``: cores are not
             counted (a device per rank, as with GPUs). Ignored for GPU profiles.
     """
@@ -261,13 +261,14 @@ def _cpu_work(costs: list[Cost], topo: Topology) -> float:
 
 def _shared_cores(workload: Workload, options: PlanOptions, ranks: int, compute: float,
                   cpu_comm: float) -> float | None:
-    """The step when a CPU node's ranks time-share its cores (``PlanOptions.cpu_cores``), or None.
+    """The step when a CPU node's ranks time-share its cores (``PlanOptions.cpu_cores``), or None
+    where there is a core per rank.
 
     ``compute`` is a rank's CPU work besides data loading and communication; ``cpu_comm`` the
     CPU work of its collectives and bucket copies. ``ranks`` ranks need
     ``ranks * (compute + cpu_comm)`` core-seconds per step from ``cpu_cores`` cores.
     """
-    if options.cpu_cores is None or workload.device != "cpu":
+    if options.cpu_cores is None or workload.device != "cpu" or ranks <= options.cpu_cores:
         return None
     return workload.data + ranks * (compute + cpu_comm) / options.cpu_cores
 
