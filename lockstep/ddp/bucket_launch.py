@@ -24,6 +24,7 @@ from lockstep.ddp.bucket import Bucket
 from lockstep.ddp.bucket_layout import BucketLayout
 from lockstep.ddp.comm_hooks import GradBucket
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
+from lockstep.ddp.streams import note_stream, wait_for_writers
 from lockstep.doctor.recorder import Recorder
 from lockstep.progress import GroupProgress
 
@@ -81,6 +82,8 @@ class BucketRound:
         self._sparse_grads: dict[int, torch.Tensor] = {}
         self._futures: list[torch.futures.Future | None] = [None] * len(buckets)
         self._seqs = [0] * len(buckets)
+        # Per bucket, the streams its slots were written on (empty on CPU): see streams.py.
+        self._writers: list[list[torch.Stream]] = [[] for _ in buckets]
         self._next_launch = 0
 
     def unready(self) -> list[int]:
@@ -104,6 +107,7 @@ class BucketRound:
         bucket = self._layout.buckets[b]
         self._ready[i] = True
         self._pending[b] -= 1
+        note_stream(self._writers[b], param.device)  # the stream this gradient was made on
         if bucket.sparse:
             self._sparse_grads[b] = sparse_grad_of(param, owner.names[i])
             return
@@ -133,6 +137,7 @@ class BucketRound:
         for i in indices:
             param, (b, slot) = self._owner.params[i], self._layout.where[i]
             grad = param.grad
+            note_stream(self._writers[b], param.device)
             if buckets[b].sparse:
                 self._saved[i] = grad  # a comm hook divides its input in place: give it a copy
                 self._sparse_grads[b] = empty_sparse_grad(param) if grad is None else grad.clone()
@@ -171,6 +176,9 @@ class BucketRound:
                 collective_checks.check_collective(
                     f"all_reduce(bucket {bucket.index})", tensors, owner.group
                 )
+            # The all-reduce is ordered after the current stream only: first make that stream
+            # wait on every other stream that wrote a slot of this bucket.
+            wait_for_writers(self._writers[bucket.index], bucket.params[0].device)
             if owner.clock is not None:
                 owner.clock.bucket_launched(bucket.index)
             op = f"DDP gradient all-reduce (bucket {bucket.index})"
