@@ -78,7 +78,7 @@ def render(parts: dict[str, dict]) -> str:
         if name not in parts:
             continue
         p = parts[name]
-        out += [f"<a id=\"{name}\"></a>", f"## {name}: {p['title']}", ""]
+        out += [f"## {name}", "", f"**{p['title']}**", ""]  # heading = anchor the summary links to
         out += p["lines"]
         out += [f"- {note}" for note in p["notes"]]
         out += [f"- **failed:** {f}" for f in p["failures"]]

@@ -25,7 +25,7 @@ def test_render_marks_a_dry_run_and_keeps_part_order() -> None:
             "dry_run": True, "when": "now"}
     text = render({"fsdp": {**part, "failures": ["bad"]}, "env": part})
     assert "Dry run on CPU" in text
-    assert text.index("## env") < text.index("## fsdp")
+    assert text.index("## env") < text.index("## fsdp") and "[env](#env)" in text
     assert "**FAIL** (1)" in text and "**failed:** bad" in text
 
 
