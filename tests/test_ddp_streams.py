@@ -8,6 +8,8 @@ where torch itself does not (a bucket written on two streams).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ def test_cpu_has_no_streams_to_order() -> None:
 # ---- GPU bodies (module level: spawned workers import them) --------------------------------
 def _world(rank: int) -> torch.device:
     """Two ranks: a GPU each with NCCL when there are two, else both on cuda:0 over gloo."""
+    # cuBLAS is reproducible across streams only with a fixed workspace (read at first use).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torch.cuda.device_count() >= 2:
         lockstep.init_distributed(backend="nccl", device=f"cuda:{rank}")
         return torch.device("cuda", rank)

@@ -8,6 +8,7 @@ every figure it writes is labelled as a dry-run figure, never as a GPU one.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -18,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Config", "Section", "Transformer", "batch_of", "device_sync", "md_table", "median_time",
-           "side_stream", "transformer"]
+__all__ = ["Config", "Section", "Transformer", "batch_of", "deterministic", "device_sync", "md_table",
+           "median_time", "shared_backend", "side_stream", "spawn_shared", "transformer"]
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,36 @@ def median(values: list[float]) -> float:
 
 @contextmanager
 def side_stream(device: str) -> Iterator[Any]:
-    """A non-default CUDA stream made current (after it waits on the current one); CPU: nothing."""
+    """A new CUDA stream made current; it waits on the caller's stream first, and the caller's
+    stream waits on it after, as a user's code must (torch orders nothing across streams that
+    autograd does not see, e.g. the next backward accumulating into ``.grad``). CPU: nothing."""
     if not device.startswith("cuda"):
         with nullcontext():
             yield None
         return
+    caller = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    stream.wait_stream(caller)
     with torch.cuda.stream(stream):
         yield stream
+    caller.wait_stream(stream)
+
+
+def deterministic(cfg: Config) -> None:
+    """Make a worker's CUDA kernels deterministic, so bitwise claims test lockstep, not kernels.
+
+    Call first in the worker, before any CUDA work: cuBLAS reads its workspace setting when its
+    handle is made (and is not reproducible across streams without it); flash and
+    memory-efficient attention accumulate with atomics in backward, so attention uses the math
+    kernels here (timed parts keep the fast ones).
+    """
+    if not cfg.cuda:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def params_equal(a: nn.Module, b: nn.Module) -> tuple[bool, str]:

@@ -11,6 +11,7 @@ from gpu_parts.common import (
     Config,
     Section,
     batch_of,
+    deterministic,
     lm_loss,
     median,
     median_time,
@@ -57,6 +58,7 @@ def world1_worker(rank: int, cfg: Config) -> dict:
 
 
 def world2_worker(rank: int, cfg: Config, backend: str) -> dict:
+    deterministic(cfg)
     lockstep.init_distributed(backend=backend, device=cfg.device)
     ours = lockstep.DistributedDataParallel(transformer(cfg))
     theirs = TorchDDP(transformer(cfg), device_ids=[0] if cfg.cuda and backend == "nccl" else None)

@@ -17,15 +17,16 @@ def _model(device: str) -> nn.Module:
 
 
 def _compare(devices: list[str], source: str) -> tuple[bool, bool, str]:
-    """Outputs and gradients of DataParallel over ``devices`` vs the bare module (allclose)."""
+    """Outputs and gradients of DataParallel over ``devices`` vs the bare module (allclose: a CPU
+    replica sums in another order than the GPU)."""
     bare, wrapped = _model(source), _model(source)
     dp = lockstep.DataParallel(wrapped, device_ids=devices)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(source)
     out_bare, out_dp = bare(x), dp(x)
-    out_ok = torch.allclose(out_dp.to(source), out_bare, rtol=1e-5, atol=1e-6)
+    out_ok = torch.allclose(out_dp.to(source), out_bare, rtol=1e-4, atol=1e-5)
     out_bare.square().sum().backward()
     out_dp.to(source).square().sum().backward()
-    grad_ok = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    grad_ok = all(torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5)
                   for p, q in zip(bare.parameters(), wrapped.parameters()))
     return out_ok, grad_ok, ""
 

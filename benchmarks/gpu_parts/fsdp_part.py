@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from gpu_parts.common import Config, Section, batch_of, lm_loss, spawn_shared, transformer
+from gpu_parts.common import Config, Section, batch_of, deterministic, lm_loss, spawn_shared, transformer
 
 __all__ = ["run"]
 
@@ -33,6 +33,7 @@ def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
 
 
 def worker(rank: int, cfg: Config, backend: str) -> dict:
+    deterministic(cfg)
     cfg = dataclasses.replace(cfg, dtype_name="float32")  # the formula counts fp32 bytes
     lockstep.init_distributed(backend=backend, device=cfg.device)
     model = transformer(cfg)

@@ -20,6 +20,7 @@ from gpu_parts.common import (
     Config,
     Section,
     batch_of,
+    deterministic,
     lm_loss,
     params_equal,
     side_stream,
@@ -78,6 +79,7 @@ def _train(model, ddp, cfg: Config, case: str, rank: int) -> None:
 
 
 def worker(rank: int, cfg: Config, backend: str) -> dict:
+    deterministic(cfg)
     lockstep.init_distributed(backend=backend, device=cfg.device)
     out = {}
     for case in CASES:
