@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,21 +17,15 @@ from gpu_parts.common import Config, Section, batch_of, lm_loss, median, median_
 
 __all__ = ["run"]
 
-SCRIPT = '''
-import torch, lockstep
-from torch import nn
-info = lockstep.init_distributed()
-torch.manual_seed(0)
-net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).to(info.device)
-model = lockstep.DistributedDataParallel(net)
-opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-x = torch.randn(64, 256, device=info.device)
-for step in range({steps}):
-    opt.zero_grad()
-    model(x).square().mean().backward()
-    opt.step()
-lockstep.shutdown_distributed()
-'''
+DEMO = "examples/train_gpt.py"
+
+
+def _demo_args(cfg: Config, out: Path) -> list[str]:
+    if cfg.cuda:
+        size = ["--max-steps", "100", "--eval-interval", "1000", "--max-files", "200"]
+    else:  # a dry run: a few steps of the demo on CPU
+        size = ["--max-steps", "6", "--eval-interval", "1000", "--max-files", "12", "--device", "cpu"]
+    return [DEMO, *size, "--sample-chars", "0", "--out-dir", str(out)]
 
 
 def worker(rank: int, cfg: Config) -> dict:
@@ -59,23 +54,26 @@ def worker(rank: int, cfg: Config) -> dict:
     return times
 
 
-def _cli(cfg: Config) -> tuple[int, float, str, list[str]]:
-    steps = 30 if cfg.cuda else 8
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp, "train.py")
-        script.write_text(SCRIPT.format(steps=steps))
-        out_dir = Path(tmp, "doctor")
-        cmd = [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "1", "--no-baseline",
-               "--steps", str(steps), "--warmup", "2", "--out-dir", str(out_dir), str(script)]
-        env = dict(os.environ)
-        if not cfg.cuda:
-            env["LOCKSTEP_DEVICE"] = "cpu"
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env, cwd=cfg.repo)
-        wall = time.perf_counter() - start
-        files = sorted(p.name for p in out_dir.glob("*")) if out_dir.exists() else []
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return proc.returncode, wall, " / ".join(tail)[:300], files
+def _demo(cfg: Config, profiled: bool, tmp: Path, k: int) -> dict:
+    """The demo under ``lockstep run`` (profiling off) or ``lockstep doctor`` (on); its tokens/s."""
+    out = tmp / f"demo-{'on' if profiled else 'off'}-{k}"
+    if profiled:
+        cmd = ["doctor", "--nproc-per-node", "1", "--no-baseline", "--warmup", "2",
+               "--out-dir", str(tmp / f"doctor-{k}")]
+    else:
+        cmd = ["run", "--nproc-per-node", "1"]
+    env = dict(os.environ)
+    if not cfg.cuda:
+        env["LOCKSTEP_DEVICE"] = "cpu"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "lockstep", *cmd, *_demo_args(cfg, out)], check=False,
+                          capture_output=True, text=True, timeout=240, env=env, cwd=cfg.repo)
+    wall = time.perf_counter() - start
+    metrics = out / "metrics.json"
+    tail = " / ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])[:300]
+    files = sorted(p.name for p in (tmp / f"doctor-{k}").glob("*")) if profiled else []
+    return {"exit": proc.returncode, "wall_s": wall, "tail": tail, "files": files,
+            "tokens_per_s": json.loads(metrics.read_text())["tokens_per_s"] if metrics.exists() else None}
 
 
 def run(cfg: Config) -> Section:
@@ -85,10 +83,20 @@ def run(cfg: Config) -> Section:
     section.table(["profiling", "step ms", "on / off"],
                   [["off", off * 1e3, 1.0], ["on (CUDA events)" if cfg.cuda else "on (CPU clock)", on * 1e3,
                                              on / off]])
-    code, wall, tail, files = _cli(cfg)
-    section.table(["`lockstep doctor --nproc-per-node 1 --no-baseline`", "exit", "wall s", "files written"],
-                  [["small DDP script", section.check(code == 0, f"lockstep doctor exited {code}: {tail}")
-                    if code else "0", wall, ", ".join(files) or "-"]])
-    section.data.update({"times_s": times, "overhead": on / off, "cli": {"exit": code, "wall_s": wall,
-                                                                          "files": files, "tail": tail}})
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(2 if cfg.cuda else 1):  # alternating: off, on, on, off
+            for mode in ("off", "on") if k % 2 == 0 else ("on", "off"):
+                runs[mode].append(_demo(cfg, mode == "on", Path(tmp), k))
+    rows = []
+    for mode in ("off", "on"):
+        for r in runs[mode]:
+            ok = r["exit"] == 0 and r["tokens_per_s"] is not None
+            what = "`lockstep doctor --nproc-per-node 1 --no-baseline`" if mode == "on" else "`lockstep run --nproc-per-node 1`"
+            rows.append([what, section.check(ok, f"demo under {what} exited {r['exit']}: {r['tail']}"),
+                         f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", r["wall_s"], ", ".join(r["files"]) or "-"])
+    section.lines.append(f"The demo (`{' '.join(_demo_args(cfg, Path('OUT')))}`), profiling off and on, alternating:")
+    section.lines.append("")
+    section.table(["run", "ok", "tokens/s", "wall s", "doctor files"], rows)
+    section.data.update({"times_s": times, "overhead": on / off, "demo": runs})
     return section

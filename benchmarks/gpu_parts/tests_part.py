@@ -43,12 +43,17 @@ def run(cfg: Config) -> Section:
         return section
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp, "gpu.xml")
-        proc = subprocess.run(check=False, args=[*base, f"--junitxml={xml}", "--timeout", "300"], capture_output=True, text=True,
-                              cwd=cfg.repo, timeout=570)
+        try:
+            proc = subprocess.run(check=False, args=[*base, f"--junitxml={xml}", "--timeout", "300"],
+                                  capture_output=True, text=True, cwd=cfg.repo, timeout=570)
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:  # over the 10-minute budget: say so, keep the other parts
+            code = "killed after 570 s (run `python -m pytest -m gpu` file by file)"
+            section.failures.append(f"the GPU tests took over 570 s: {code}")
         rows = _outcomes(xml) if xml.exists() else []
     for name, outcome, why in rows:
         if outcome.startswith("**"):
             section.failures.append(f"{name}: {why}")
-    section.table(["test", "outcome", "message"], rows or [["(no results)", f"pytest exited {proc.returncode}", ""]])
-    section.data.update({"exit": proc.returncode, "tests": rows})
+    section.table(["test", "outcome", "message"], rows or [["(no results)", f"pytest exited {code}", ""]])
+    section.data.update({"exit": code, "tests": rows})
     return section
