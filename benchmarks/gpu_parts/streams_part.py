@@ -99,6 +99,8 @@ def run(cfg: Config) -> Section:
     section = Section("streams", "CUDA stream safety: lockstep DDP vs torch DDP, bitwise")
     if not cfg.cuda:
         section.notes.append("dry run: CPU has no streams; the cases ran on the default path (plumbing only)")
+    section.notes.append("a bucket written on two streams (where torch's own order races) is compared with "
+                         "one stream, not with torch: tests/test_ddp_streams.py, run by the `tests` part")
     results = spawn_shared(worker, cfg, section)
     rows = []
     for case in results[0]:
