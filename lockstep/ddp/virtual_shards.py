@@ -110,6 +110,22 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
 
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
 class VirtualShardDDP(nn.Module):
     """Data parallelism whose result is bitwise the same on any world size dividing ``V``.
 
@@ -222,26 +238,25 @@ class VirtualShardDDP(nn.Module):
         buffers = list(self.module.buffers())
         floats = [b for b in buffers if b.is_floating_point()]
         start = [b.detach().clone() for b in buffers]
-        grad_sum, loss_sum, buffer_sum = TreeSum(), TreeSum(), TreeSum()
+        sums: dict[torch.dtype, TreeSum] = {}
         for shard, index in zip(shards, self.local_shards):
             with torch.no_grad():
                 for buffer, value in zip(buffers, start):
                     buffer.copy_(value)
             loss, grads = self._run_shard(shard, index, step, loss_fn, params)
-            grad_sum.push(_flat(grads))
-            loss_sum.push(loss)
-            buffer_sum.push(_flat([b.detach() for b in floats]))
+            # One flat vector per dtype (gradients, float buffers, the loss): one collective each.
+            for dtype, parts in _by_dtype([*grads, *(b.detach() for b in floats), loss]).items():
+                sums.setdefault(dtype, TreeSum()).push(_flat(parts))
         scale = 1.0 / self.virtual_shards  # exact: V is a power of two
-        total = combine_subtrees(grad_sum.result(), self.world_size, self.process_group) * scale
-        offset = 0
+        totals = {
+            dtype: iter(_split(combine_subtrees(acc.result(), self.world_size,
+                                                self.process_group) * scale,
+                               _by_dtype([*params, *floats, loss])[dtype]))
+            for dtype, acc in sums.items()
+        }
         for p in params:
-            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        if floats:
-            means = combine_subtrees(buffer_sum.result(), self.world_size, self.process_group)
-            offset = 0
-            with torch.no_grad():
-                for b in floats:
-                    b.copy_(means[offset : offset + b.numel()].view_as(b) * scale)
-                    offset += b.numel()
-        return combine_subtrees(loss_sum.result(), self.world_size, self.process_group)[0] * scale
+            p.grad = next(totals[p.dtype]).clone()
+        with torch.no_grad():
+            for b in floats:
+                b.copy_(next(totals[b.dtype]))
+        return next(totals[loss.dtype])[0]
