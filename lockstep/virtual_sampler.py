@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from lockstep.ddp.shard_tree import check_virtual_shards
 from lockstep.sampler import _world_from_context
+from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardSampler"]
 
@@ -30,7 +30,8 @@ class VirtualShardSampler(Sampler[list[int]]):
 
     Args:
         dataset: anything with ``len()``.
-        virtual_shards: ``V``, a power of two that the world size divides.
+        virtual_shards: ``V``, a power of two that the world size divides; ``None``: the ``V`` of
+            ``lockstep run --virtual-shards V``.
         shard_size: samples per virtual shard (the global batch is ``V * shard_size``).
         num_replicas, rank: the world; by default from the default group or the launcher.
         shuffle: permute the dataset each epoch (from ``seed + epoch``).
@@ -44,7 +45,7 @@ class VirtualShardSampler(Sampler[list[int]]):
     def __init__(
         self,
         dataset: Sized,
-        virtual_shards: int,
+        virtual_shards: int | None,
         shard_size: int,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -55,6 +56,7 @@ class VirtualShardSampler(Sampler[list[int]]):
             world, me = _world_from_context()
             num_replicas = world if num_replicas is None else num_replicas
             rank = me if rank is None else rank
+        virtual_shards = resolve_virtual_shards(virtual_shards)
         self.shards_per_rank = check_virtual_shards(virtual_shards, num_replicas)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside a world of {num_replicas} ranks")

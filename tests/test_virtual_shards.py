@@ -244,3 +244,34 @@ def test_same_run_at_worlds_1_2_4_and_across_resume(tmp_path):
                 assert torch.equal(a, b), f"{kind}: {name} differs from world 2 in tensor {i}"
         for world, results in others.items():
             assert torch.equal(results[0][kind]["losses"], reference[kind]["losses"]), (kind, world)
+
+
+# -- the launcher carries V ------------------------------------------------------------------
+
+
+def _plan(tmp_path: Path, *flags: str) -> Any:
+    from lockstep.cli import build_parser
+    from lockstep.launcher.plan import plan_from_args
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    return plan_from_args(build_parser().parse_args(["run", *flags, str(script)]), environ={})
+
+
+def test_launcher_passes_v_to_the_workers(tmp_path, monkeypatch):
+    plan = _plan(tmp_path, "--nproc-per-node", "2", "--virtual-shards", "8")
+    assert plan.worker_env["LOCKSTEP_VIRTUAL_SHARDS"] == "8"
+    monkeypatch.setenv("LOCKSTEP_VIRTUAL_SHARDS", "8")
+    assert VirtualShardDDP(nn.Linear(2, 2)).shards_per_rank == 8
+    assert VirtualShardSampler(range(64), None, 2, 2, 1).shards_per_rank == 4
+
+
+def test_launcher_refuses_a_world_that_cannot_run_v(tmp_path):
+    with pytest.raises(ValueError, match="--virtual-shards 4: a world of 3 ranks"):
+        _plan(tmp_path, "--nproc-per-node", "3", "--virtual-shards", "4")
+
+
+def test_missing_v_says_how_to_give_it(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_VIRTUAL_SHARDS", raising=False)
+    with pytest.raises(ValueError, match="lockstep run --virtual-shards V"):
+        VirtualShardDDP(nn.Linear(2, 2))

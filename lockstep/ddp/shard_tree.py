@@ -21,39 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.virtual_world import check_virtual_shards, is_power_of_two
+
+# check_virtual_shards is re-exported: its home is torch-free, for the launcher.
 __all__ = ["TreeSum", "check_virtual_shards", "combine_subtrees", "tree_sum"]
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def check_virtual_shards(virtual_shards: int, world_size: int) -> int:
-    """The number of shards each rank runs; ``ValueError`` if ``world_size`` cannot run them.
-
-    Raises:
-        ValueError: ``virtual_shards`` is not a power of two, or ``world_size`` does not
-            divide it.
-    """
-    if not isinstance(virtual_shards, int) or isinstance(virtual_shards, bool):
-        raise TypeError(f"virtual_shards must be an int, got {type(virtual_shards).__name__}")
-    if not _is_power_of_two(virtual_shards):
-        raise ValueError(
-            f"virtual_shards={virtual_shards} is not a power of two: the fixed summation tree "
-            f"needs one (e.g. virtual_shards=8 runs bitwise-identically on 1, 2, 4 or 8 ranks)"
-        )
-    if virtual_shards % world_size != 0:
-        raise ValueError(
-            f"a world of {world_size} ranks does not divide virtual_shards={virtual_shards}: "
-            f"run on a power of two of ranks up to {virtual_shards}, or change virtual_shards "
-            f"(which starts another run)"
-        )
-    return virtual_shards // world_size
 
 
 def tree_sum(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum a power-of-two number of tensors as a balanced binary tree (left half + right half)."""
-    if not _is_power_of_two(len(leaves)):
+    if not is_power_of_two(len(leaves)):
         raise ValueError(f"tree_sum needs a power of two of tensors, got {len(leaves)}")
     level = list(leaves)
     while len(level) > 1:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.ddp.shard_tree import TreeSum, check_virtual_shards, combine_subtrees
+from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
+from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardDDP", "shard_seed", "split_shards"]
 
@@ -131,7 +132,8 @@ class VirtualShardDDP(nn.Module):
 
     Args:
         module: the model; parameters and buffers are broadcast from group rank 0.
-        virtual_shards: ``V``, a power of two; the world size must divide it.
+        virtual_shards: ``V``, a power of two; the world size must divide it. ``None``: the
+            ``V`` of ``lockstep run --virtual-shards V`` (``LOCKSTEP_VIRTUAL_SHARDS``).
         process_group: the ranks that share the work (``None``: the default group).
         seed: mixed with the step and shard index to seed each shard's RNG (dropout...).
 
@@ -146,7 +148,12 @@ class VirtualShardDDP(nn.Module):
     """
 
     def __init__(
-        self, module: nn.Module, virtual_shards: int, *, process_group: Any = None, seed: int = 0
+        self,
+        module: nn.Module,
+        virtual_shards: int | None = None,
+        *,
+        process_group: Any = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         _unsupported(module)
@@ -161,8 +168,8 @@ class VirtualShardDDP(nn.Module):
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
-        self.virtual_shards = virtual_shards
-        self.shards_per_rank = check_virtual_shards(virtual_shards, self.world_size)
+        self.virtual_shards = resolve_virtual_shards(virtual_shards)
+        self.shards_per_rank = check_virtual_shards(self.virtual_shards, self.world_size)
         self.seed = seed
         self.current_shard: int | None = None
         if self.world_size > 1:
