@@ -262,7 +262,7 @@ class VirtualShardDDP(nn.Module):
             for dtype, acc in sums.items()
         }
         for p in params:
-            p.grad = next(totals[p.dtype]).clone()
+            p.grad = next(totals[p.dtype])  # views of one fresh buffer, like DDP's bucket views
         with torch.no_grad():
             for b in floats:
                 b.copy_(next(totals[b.dtype]))
