@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.ddp.shard_buckets import ShardBuckets
 from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
@@ -136,6 +137,8 @@ class VirtualShardDDP(nn.Module):
             ``V`` of ``lockstep run --virtual-shards V`` (``LOCKSTEP_VIRTUAL_SHARDS``).
         process_group: the ranks that share the work (``None``: the default group).
         seed: mixed with the step and shard index to seed each shard's RNG (dropout...).
+        bucket_cap_mb: gradient bucket size; each bucket's reduction starts during the rank's
+            last shard's backward (``0``: one reduction after backward). No bit depends on it.
 
     Example::
 
@@ -154,6 +157,7 @@ class VirtualShardDDP(nn.Module):
         *,
         process_group: Any = None,
         seed: int = 0,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         super().__init__()
         _unsupported(module)
@@ -172,11 +176,26 @@ class VirtualShardDDP(nn.Module):
         self.shards_per_rank = check_virtual_shards(self.virtual_shards, self.world_size)
         self.seed = seed
         self.current_shard: int | None = None
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be 0 (no overlap) or more, got {bucket_cap_mb}")
+        self.bucket_cap_mb = bucket_cap_mb
+        self._buckets: ShardBuckets | None = None
         if self.world_size > 1:
             source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
             with torch.no_grad():
                 for tensor in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(tensor, source, group=process_group)
+
+    def _bucketed(self, params: list[nn.Parameter]) -> ShardBuckets | None:
+        """The bucketed, overlapped reduction for these parameters (``None`` in a world of one
+        or with ``bucket_cap_mb=0``)."""
+        if self.world_size == 1 or self.bucket_cap_mb <= 0 or not params:
+            return None
+        if self._buckets is None or [id(p) for p in self._buckets.params] != [id(p) for p in params]:
+            elements = int(self.bucket_cap_mb * 2**20) // params[0].element_size()
+            self._buckets = ShardBuckets(params, max(1, elements), self.world_size,
+                                         self.process_group)
+        return self._buckets
 
     @property
     def local_shards(self) -> range:
@@ -250,19 +269,40 @@ class VirtualShardDDP(nn.Module):
             with torch.no_grad():
                 for buffer, value in zip(buffers, start):
                     buffer.copy_(value)
-            loss, grads = self._run_shard(shard, index, step, loss_fn, params)
-            # One flat vector per dtype (gradients, float buffers, the loss): one collective each.
-            for dtype, parts in _by_dtype([*grads, *(b.detach() for b in floats), loss]).items():
+            buckets = self._bucketed(params)
+        if buckets is not None:
+            buckets.begin()
+        for shard, index in zip(shards, self.local_shards):
+            with torch.no_grad():
+                for buffer, value in zip(buffers, start):
+                    buffer.copy_(value)
+            last = index == self.local_shards[-1]
+            # The last shard's buckets start reducing while its backward runs.
+            handles = buckets.hooks() if buckets is not None and last else []
+            try:
+                loss, grads = self._run_shard(shard, index, step, loss_fn, params)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            if buckets is not None and not last:
+                buckets.push(grads)
+            # One flat vector per dtype (gradients unless bucketed, float buffers, the loss).
+            rest = [*(b.detach() for b in floats), loss]
+            for dtype, parts in _by_dtype(rest if buckets else [*grads, *rest]).items():
                 sums.setdefault(dtype, TreeSum()).push(_flat(parts))
         scale = 1.0 / self.virtual_shards  # exact: V is a power of two
+        if buckets is not None:
+            buckets.finish(scale)
+        like = [*floats, loss] if buckets is not None else [*params, *floats, loss]
         totals = {
             dtype: iter(_split(combine_subtrees(acc.result(), self.world_size,
                                                 self.process_group) * scale,
-                               _by_dtype([*params, *floats, loss])[dtype]))
+                               _by_dtype(like)[dtype]))
             for dtype, acc in sums.items()
         }
-        for p in params:
-            p.grad = next(totals[p.dtype])  # views of one fresh buffer, like DDP's bucket views
+        if buckets is None:
+            for p in params:
+                p.grad = next(totals[p.dtype])  # views of one fresh buffer, like DDP's buckets
         with torch.no_grad():
             for b in floats:
                 b.copy_(next(totals[b.dtype]))
