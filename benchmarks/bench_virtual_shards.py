@@ -11,7 +11,8 @@ Variants, each on the same global batch of ``shards * shard_size`` samples:
 - ``ddp``: lockstep's DistributedDataParallel, one forward/backward of the local batch;
 - ``ddp-accum``: the same DDP running the rank's ``V/N`` shards as micro-batches under
   ``no_sync`` (the compute of the virtual-shard mode, with torch's summation);
-- ``virtual``: VirtualShardDDP (per-shard gradients, the fixed tree, all-to-all + all-gather).
+- ``virtual-flat``: VirtualShardDDP reducing after backward in one piece (``bucket_cap_mb=0``);
+- ``virtual``: VirtualShardDDP with 1 MB buckets, reduced during the last shard's backward.
 
 Every variant runs in fresh processes (one thread per rank), variants alternate within each
 repetition, and the table reports medians: read the ratios, not the absolute times.
@@ -31,7 +32,7 @@ from torch import nn
 import lockstep
 from lockstep.ddp.virtual_shards import VirtualShardDDP, split_shards
 
-VARIANTS = ("ddp", "ddp-accum", "virtual")
+VARIANTS = ("ddp", "ddp-accum", "virtual-flat", "virtual")
 
 
 def model() -> nn.Module:
@@ -51,8 +52,8 @@ def run_variant(rank: int, variant: str, shards: int, shard_size: int, steps: in
     x = torch.randn(per_rank * shard_size, 256)
     y = torch.randint(0, 10, (per_rank * shard_size,))
     opt: torch.optim.Optimizer
-    if variant == "virtual":
-        vs = VirtualShardDDP(net, shards)
+    if variant.startswith("virtual"):
+        vs = VirtualShardDDP(net, shards, bucket_cap_mb=0.0 if variant == "virtual-flat" else 1.0)
         opt = torch.optim.SGD(vs.parameters(), lr=0.01)
         parts = split_shards((x, y), per_rank)
 
@@ -100,10 +101,10 @@ def main() -> None:
     base = statistics.median(seen["ddp"])
     print(f"world {args.world}, V={args.shards}, shard size {args.shard_size}, "
           f"{steps} steps x {reps} repetitions, CPU/gloo, one thread per rank")
-    print(f"{'variant':<10} {'ms/step':>8} {'vs ddp':>7}")
+    print(f"{'variant':<12} {'ms/step':>8} {'vs ddp':>7}")
     for variant in VARIANTS:
         median = statistics.median(seen[variant])
-        print(f"{variant:<10} {median * 1e3:8.1f} {median / base:6.2f}x")
+        print(f"{variant:<12} {median * 1e3:8.1f} {median / base:6.2f}x")
 
 
 if __name__ == "__main__":
