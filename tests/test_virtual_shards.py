@@ -223,6 +223,43 @@ def test_wrong_number_of_shards_names_the_rank():
         model.train_step(split_shards(torch.zeros(4, 2), 2), lambda m, b: m(b).sum(), 0)
 
 
+@pytest.fixture
+def world_of_one():
+    info = lockstep.init_distributed(device="cpu")
+    try:
+        yield info
+    finally:
+        lockstep.shutdown_distributed()
+
+
+def test_buckets_equal_the_flat_tree_when_the_last_shard_skips_a_layer(world_of_one):
+    from lockstep.ddp.shard_buckets import ShardBuckets
+
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+    params = [*a.parameters(), *b.parameters(), *c.parameters()]
+
+    def grads(x: torch.Tensor, use_b: bool) -> list[torch.Tensor]:
+        h = a(x)
+        out = c(b(h) if use_b else h).pow(2).mean()
+        got = torch.autograd.grad(out, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got)]
+
+    x0, x1 = torch.randn(4, 3), torch.randn(4, 3)
+    flat = [torch.cat([g.reshape(-1) for g in grads(x, u)]) for x, u in ((x0, True), (x1, False))]
+    expected = tree_sum(flat) * 0.5
+    buckets = ShardBuckets(params, 5, 1)  # small buckets: b's sit between a's and c's
+    assert len(buckets.buckets) == 3  # c, b, a: the middle one gets no last-shard gradient
+    buckets.begin()
+    buckets.push(grads(x0, True))
+    handles = buckets.hooks()
+    grads(x1, False)  # b gets no gradient: its bucket starts after backward, in order
+    for handle in handles:
+        handle.remove()
+    buckets.finish(0.5)
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in params]), expected)
+
+
 # -- tier 2: worlds 1, 2 and 4 agree bitwise -------------------------------------------------
 
 
