@@ -192,6 +192,36 @@ def test_world_of_one_matches_full_batch_training():
         assert torch.allclose(p.grad, q.grad, atol=1e-12)
 
 
+def test_batchnorm_is_per_shard_and_rng_is_per_shard_and_restored():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    model = VirtualShardDDP(net, 2, seed=5)
+    x = torch.randn(8, 3)
+    with torch.no_grad():
+        h = net[0](x)
+    shard_means = torch.stack([h[:4].mean(0), h[4:].mean(0)])
+    outputs: list[torch.Tensor] = []
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        out = m(b)
+        outputs.append(out.detach())
+        return out.sum()
+
+    before = torch.get_rng_state()
+    model.train_step(split_shards(x, 2), loss_fn, step=3)
+    assert torch.equal(torch.get_rng_state(), before)  # each shard forks the generator
+    # running_mean = momentum * (mean over shards of each shard's own batch mean)
+    assert torch.allclose(net[1].running_mean, 0.1 * shard_means.mean(0), atol=1e-6)
+    assert int(net[1].num_batches_tracked) == 1
+    # the same step and shard draw the same dropout mask, another step another one
+    again = VirtualShardDDP(net, 2, seed=5)
+    net[1].reset_running_stats()
+    again.train_step(split_shards(x, 2), loss_fn, step=3)
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+    again.train_step(split_shards(x, 2), loss_fn, step=4)
+    assert not torch.equal(outputs[0], outputs[4])
+
+
 class ReadsRank(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * (dist.get_rank() + 1)
