@@ -223,11 +223,13 @@ class VirtualShardDDP(nn.Module):
         devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         self.current_shard = index
         try:
-            with torch.random.fork_rng(devices=devices), _rank_unreadable(
-                f"the forward or loss of virtual shard {index} (rank {self.rank})"
-            ):
+            with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(shard_seed(self.seed, step, index))
-                loss = loss_fn(self.module, shard)
+                # Only the forward and loss: backward's bucket hooks call collectives.
+                with _rank_unreadable(
+                    f"the forward or loss of virtual shard {index} (rank {self.rank})"
+                ):
+                    loss = loss_fn(self.module, shard)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(
                         f"loss_fn must return a one-element tensor (the shard's mean loss), got "
