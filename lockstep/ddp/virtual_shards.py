@@ -267,11 +267,7 @@ class VirtualShardDDP(nn.Module):
         floats = [b for b in buffers if b.is_floating_point()]
         start = [b.detach().clone() for b in buffers]
         sums: dict[torch.dtype, TreeSum] = {}
-        for shard, index in zip(shards, self.local_shards):
-            with torch.no_grad():
-                for buffer, value in zip(buffers, start):
-                    buffer.copy_(value)
-            buckets = self._bucketed(params)
+        buckets = self._bucketed(params)
         if buckets is not None:
             buckets.begin()
         for shard, index in zip(shards, self.local_shards):
@@ -290,7 +286,7 @@ class VirtualShardDDP(nn.Module):
                 buckets.push(grads)
             # One flat vector per dtype (gradients unless bucketed, float buffers, the loss).
             rest = [*(b.detach() for b in floats), loss]
-            for dtype, parts in _by_dtype(rest if buckets else [*grads, *rest]).items():
+            for dtype, parts in _by_dtype(rest if buckets is not None else [*grads, *rest]).items():
                 sums.setdefault(dtype, TreeSum()).push(_flat(parts))
         scale = 1.0 / self.virtual_shards  # exact: V is a power of two
         if buckets is not None:
