@@ -2,11 +2,13 @@
 (bucket_layout.py), bucket launches (bucket_launch.py) and unused-parameter search (unused.py),
 comm hooks (comm_hooks.py), start-up agreement (replica_sync.py), constructor checks (arguments.py),
 delayed all-reduce (delayed.py), uneven inputs (join.py), step timing (timing.py), the wrapper
-module (wrapper.py)."""
+module (wrapper.py); the same run at any world size: virtual shards (virtual_shards.py) summed
+in a fixed tree (shard_tree.py)."""
 
 from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
 from lockstep.ddp.replica_sync import ReplicaMismatchError
 from lockstep.ddp.timing import StepTiming
+from lockstep.ddp.virtual_shards import VirtualShardDDP, split_shards
 from lockstep.ddp.wrapper import DistributedDataParallel
 
 __all__ = [
@@ -14,5 +16,7 @@ __all__ = [
     "GradBucket",
     "ReplicaMismatchError",
     "StepTiming",
+    "VirtualShardDDP",
     "allreduce_hook",
+    "split_shards",
 ]

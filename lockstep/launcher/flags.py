@@ -32,6 +32,9 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
                               "help": "how often the launcher checks on its workers"}),
     ("local-addr", {"default": None, "help": "this machine's address as other machines reach it"}),
     ("log-dir", {"default": None, "help": "keep every worker's stdout/stderr/error files here"}),
+    ("virtual-shards", {"type": int, "default": None, "metavar": "V",
+                            "help": "VirtualShardDDP's shards: check the world divides V, "
+                                    "pass V to the workers (LOCKSTEP_VIRTUAL_SHARDS)"}),
     ("local-ranks-filter", {"default": "", "metavar": "R,...",
                                 "help": "show only these local ranks' output on the console"}),
 )  # fmt: skip

@@ -25,6 +25,7 @@ from lockstep.launcher.rendezvous import (
     is_loopback_host,
 )
 from lockstep.launcher.worker_env import loopback_gloo, omp_threads
+from lockstep.virtual_world import virtual_shards_env
 
 __all__ = [
     "DEFAULT_RDZV_PORT",
@@ -243,6 +244,8 @@ def plan_from_args(
     if local_addr is None and backend == LOOPBACK_BACKEND:
         local_addr = LOOPBACK_HOST  # workers of a loopback job meet on loopback too
     worker_env = omp_threads(nproc, environ)
+    if getattr(args, "virtual_shards", None) is not None:
+        worker_env.update(virtual_shards_env(args.virtual_shards, nproc, min_nodes, max_nodes))
     if backend == LOOPBACK_BACKEND:
         worker_env.update(loopback_gloo(environ))
     entrypoint, cmd = _command(args, environ)
