@@ -27,6 +27,7 @@ __all__ = [
     "BLAME_FILE",
     "CollectiveTimeoutError",
     "Culprit",
+    "LocalUsageError",
     "call_as",
     "describe_missing",
     "read_blame",
@@ -60,6 +61,13 @@ class CollectiveTimeoutError(RuntimeError):
         super().__init__(message)
         self.op = op
         self.missing_ranks = missing_ranks
+
+
+class LocalUsageError(RuntimeError):
+    """A mistake in this rank's own code (e.g. a comm hook's return value), not a peer's absence.
+
+    :func:`call_as` and :func:`wait` pass it through as it is: no peer is blamed for it.
+    """
 
 
 class Culprit:
@@ -134,7 +142,7 @@ def call_as(progress: GroupProgress, seq: int, op: str, call: Callable[[], Any])
 def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
            waited: float) -> Exception:
     """The error to raise instead of ``cause``: a named one, or ``cause`` if nobody is to blame."""
-    if isinstance(cause, CollectiveTimeoutError) or progress.tracker is None:
+    if isinstance(cause, (CollectiveTimeoutError, LocalUsageError)) or progress.tracker is None:
         return cause
     try:
         culprits, silent_s = _find_culprits(progress, seq, cause)

@@ -5,9 +5,10 @@ arguments the very same indices on every rank. Beyond torch's, it resumes mid-ep
 (:meth:`DistributedSampler.state_dict` records the epoch and how many samples the whole job has
 consumed, so a job may resume on a different number of ranks), and it warns once when an
 epoch's shuffled order is replayed because :meth:`~DistributedSampler.set_epoch` was forgotten:
-when a pass starts after a complete pass of the same epoch, or as the third pass of one epoch
-(loops that stop each epoch early). A single abandoned pass before the epoch loop, such as
-``next(iter(loader))`` to peek at a batch, does not count.
+when a pass that started after a complete pass of the same epoch, or as the third pass of one
+epoch (loops that stop each epoch early), runs to its end or is followed by another pass before
+``set_epoch`` moves on. A peek such as ``next(iter(loader))`` before ``set_epoch`` (pytorch/examples'
+DDP tutorial reads the batch size so each epoch) does not count.
 
 How the global order is built, for epoch ``e`` and world size ``W``:
 
@@ -132,6 +133,7 @@ class DistributedSampler(Sampler[int]):
         self._passes_this_epoch = 0
         self._complete_this_epoch = False
         self._warned = False
+        self._replay_pending = False
 
     @property
     def num_samples(self) -> int:
@@ -157,6 +159,7 @@ class DistributedSampler(Sampler[int]):
             self._pass_skip, self._pass_len, self._yielded = 0, self.num_samples, 0
             self._passes_this_epoch = 0
             self._complete_this_epoch = False
+            self._replay_pending = False  # the last pass was a peek before this set_epoch
 
     def _global_order(self) -> list[int]:
         size = len(self.dataset)
@@ -183,10 +186,19 @@ class DistributedSampler(Sampler[int]):
 
     def _warn_if_epoch_repeats(self) -> None:
         # Replayed for real: a full pass of this epoch already ran, or two earlier passes did
-        # (an epoch loop that breaks early). One short pass alone is a peek at a batch.
+        # (an epoch loop that breaks early). Such a pass is only suspect when it starts: a peek
+        # (``next(iter(loader))``) right before ``set_epoch``, as in pytorch/examples' DDP
+        # tutorial, is one too. It is reported when it runs to its end, or when another pass
+        # starts before set_epoch moved on; set_epoch to a new epoch clears it.
+        if self._replay_pending:
+            self._warn_replayed()
         self._passes_this_epoch += 1
         replayed = self._complete_this_epoch or self._passes_this_epoch >= 3
-        if not replayed or not self.shuffle or self._warned:
+        self._replay_pending = replayed and self.shuffle and not self._warned
+
+    def _warn_replayed(self) -> None:
+        self._replay_pending = False
+        if self._warned:
             return
         self._warned = True
         warnings.warn(
@@ -194,7 +206,7 @@ class DistributedSampler(Sampler[int]):
             "the previous pass, so it repeats that pass's shuffled order. Call "
             "sampler.set_epoch(epoch) with the epoch number at the start of every epoch.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def __iter__(self) -> Iterator[int]:
@@ -211,6 +223,8 @@ class DistributedSampler(Sampler[int]):
         # The pass is over: a later iteration of this epoch starts from its beginning.
         self._skip = 0
         self._complete_this_epoch = True
+        if self._replay_pending:
+            self._warn_replayed()
 
     def consumed(self, samples_per_rank: int | None = None) -> int:
         """How many positions of this epoch's global order the whole job has consumed.
@@ -267,3 +281,4 @@ class DistributedSampler(Sampler[int]):
         self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
         self._passes_this_epoch = 0
         self._complete_this_epoch = False
+        self._replay_pending = False

@@ -128,3 +128,67 @@ def test_hooks_reduce_to_the_mean_within_dtype_bound_at_world_2():
         full_bytes = ddp["uncompressed_hook"][2]
         assert ddp["fp16_compress_hook"][2] * 2 == full_bytes == ddp["bf16_compress_hook"][2] * 2
         assert all(steps == 1 for _, steps, _ in ddp.values())
+
+
+# ---- a hook that returns something else than a Future (issue 25, item 2) ------------------
+def _returns_tensor_hook(state, bucket):
+    return bucket.buffer()
+
+
+def _bad_hook_error(rank: int) -> tuple[str, bool, str]:
+    lockstep.init_distributed()
+    ddp = lockstep.DistributedDataParallel(torch.nn.Linear(4, 2))
+    ddp.register_comm_hook(None, _returns_tensor_hook)
+    try:
+        ddp(torch.randn(3, 4)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+        return type(exc).__name__, isinstance(exc, RuntimeError), str(exc)
+    return "nothing", False, ""
+
+
+@pytest.mark.multirank
+def test_hook_returning_a_tensor_names_the_hook_not_a_peer():
+    for rank, (kind, is_runtime, message) in enumerate(lockstep.spawn(_bad_hook_error, 2, timeout=120)):
+        assert kind != "CollectiveTimeoutError" and is_runtime, (kind, message)
+        assert message.startswith(f"rank {rank}: "), message
+        assert "_returns_tensor_hook returned Tensor" in message and "Future" in message
+
+
+# ---- annotations are checked as torch checks them (issue 25, item 3) -----------------------
+def _hook_bad_bucket(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def _hook_bad_return(state, bucket: GradBucket) -> torch.Tensor:
+    raise AssertionError("never called")
+
+
+def _hook_torch_bucket(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def _annotation_errors(rank: int) -> dict:
+    lockstep.init_distributed()
+    out: dict = {}
+    for hook in (_hook_bad_bucket, _hook_bad_return, _hook_torch_bucket):
+        for name, cls in (("lockstep", lockstep.DistributedDataParallel),
+                          ("torch", torch.nn.parallel.DistributedDataParallel)):
+            try:
+                cls(torch.nn.Linear(2, 2)).register_comm_hook(None, hook)
+                out[name, hook.__name__] = ("ok", "")
+            except Exception as exc:  # noqa: BLE001 - the test compares the error types
+                out[name, hook.__name__] = (type(exc).__name__, str(exc))
+    return out
+
+
+@pytest.mark.multirank
+def test_register_comm_hook_checks_annotations_as_torch():
+    out = lockstep.spawn(_annotation_errors, 1, timeout=120)[0]
+    # This file's annotations are strings (from __future__ import annotations): torch rejects even
+    # the right one then; lockstep compares names and accepts it. The wrong ones fail alike.
+    for hook in ("_hook_bad_bucket", "_hook_bad_return"):
+        assert out["lockstep", hook][0] == out["torch", hook][0], (hook, out)
+    assert out["lockstep", "_hook_bad_bucket"][0] == "ValueError"
+    assert "bucket annotation should be dist.GradBucket" in out["lockstep", "_hook_bad_bucket"][1]
+    assert "return annotation should be" in out["lockstep", "_hook_bad_return"][1]
+    assert out["lockstep", "_hook_torch_bucket"] == ("ok", "")

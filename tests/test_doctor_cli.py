@@ -61,3 +61,43 @@ def test_doctor_on_the_demo(tmp_path):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["account"]["measured"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_doctor_without_matplotlib_keeps_the_report(tmp_path):
+    """matplotlib is optional (issue 25): without it the account, profile.json, summary.json and
+    trace.json are still written, and timeline.png is skipped with one line."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    out = tmp_path / "doctor"
+    cmd = [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "2", "--steps", "8",
+           "--warmup", "2", "--out-dir", str(out), str(ROOT / "examples" / "train_gpt.py"),
+           *TINY, "--out-dir", str(tmp_path / "demo")]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=220, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{ROOT}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ideal 2.00x -> measured" in done.stdout
+    assert (f"skipped {out / 'timeline.png'}: matplotlib is not installed "
+            "(pip install matplotlib)") in done.stdout
+    for name in ("profile.json", "summary.json", "trace.json"):
+        assert json.loads((out / name).read_text())
+    assert not (out / "timeline.png").exists()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_doctor_on_a_script_that_ends_before_its_step_count(tmp_path):
+    """docs/doctor.md's first command (issue 25): the script's --max-steps ends it before the
+    doctor's --steps and it destroys its process group; every rank's profile is still written."""
+    out = tmp_path / "doctor"
+    cmd = [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "2", "--warmup", "3",
+           "--out-dir", str(out), str(ROOT / "examples" / "train_gpt.py"), *TINY[2:],
+           "--max-steps", "10", "--out-dir", str(tmp_path / "demo")]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=220, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ideal 2.00x -> measured" in done.stdout
+    assert {p.name for p in (out / "world2").glob("rank*.json")} == {"rank0.json", "rank1.json"}
+    assert json.loads((out / "profile.json").read_text())["world_size"] == 2

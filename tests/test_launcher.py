@@ -60,6 +60,10 @@ def _args(*argv: str):
         (["--rdzv-endpoint", ":29400", "JOB"], "':29400' has no valid host"),
         (["--rdzv-endpoint", "h:70000", "JOB"], "has a port 70000 outside 0-65535"),
         (["--nnodes", "2", "JOB"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (
+            ["--standalone", "--rdzv-endpoint", "127.0.0.1:29400", "--nnodes", "2", "JOB"],
+            "--standalone runs on one machine but --nnodes 2 asks for 2",
+        ),
         (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:0", "JOB"], "port 0 cannot be shared"),
         (["--rdzv-conf", "timeout", "JOB"], "'timeout' is not KEY=VALUE"),
         (["--local-ranks-filter", "a", "JOB"], "--local-ranks-filter 'a' is not a list"),

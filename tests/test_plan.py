@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 
 import pytest
@@ -340,3 +341,19 @@ def test_cpu_ranks_time_share_the_cores():
     assert gpu is not None and gpu.binding != shared.binding  # GPU profiles ignore cpu_cores
     with pytest.raises(ValueError, match="cpu_cores"):
         PlanOptions(cpu_cores=0)
+
+
+def test_cli_png_without_matplotlib_skips_the_picture_only(tmp_path, capsys, monkeypatch):
+    """matplotlib is optional (issue 25): --png without it prints the table and one line."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    out_png = tmp_path / "plan.png"
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    rc = main(["plan", str(path), "--gpus", "8,64", "--link", "pcie4:4,roce100",
+               "--strategies", "ddp,zero2", "--png", str(out_png)])
+    captured = capsys.readouterr()
+    assert rc == 0 and ("*ddp" in captured.out or "*zero2" in captured.out)
+    assert f"skipped {out_png}: matplotlib is not installed (pip install matplotlib)" in captured.err
+    assert not out_png.exists()

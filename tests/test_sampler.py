@@ -116,6 +116,36 @@ def test_warns_once_when_an_epoch_repeats_without_set_epoch():
                 list(sampler)
 
 
+def _tutorial_epochs(loader, sampler, epochs: int, call_set_epoch: bool) -> list[str]:
+    """pytorch/examples multigpu_torchrun.py's Trainer._run_epoch shape; returns the warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(epochs):
+            b_sz = len(next(iter(loader))[0])
+            assert b_sz == 4
+            if call_set_epoch:
+                sampler.set_epoch(epoch)
+            for source, targets in loader:
+                assert len(source) == len(targets)
+    return [str(w.message) for w in caught if "DistributedSampler" in str(w.message)]
+
+
+def test_tutorial_peek_before_set_epoch_is_silent_and_a_missing_set_epoch_still_warns():
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    for call_set_epoch, expected in ((True, 0), (False, 1)):
+        sampler = DistributedSampler(data, 2, 1)
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False, sampler=sampler)
+        messages = _tutorial_epochs(loader, sampler, 3, call_set_epoch)
+        assert len(messages) == expected, (call_set_epoch, messages)
+    # A loop that breaks after one batch and never calls set_epoch still warns.
+    sampler = DistributedSampler(range(32), 2, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            next(iter(sampler))
+    assert len(caught) == 1 and "set_epoch(epoch)" in str(caught[0].message)
+
+
 # --- resuming mid-epoch ------------------------------------------------------------------------
 
 

@@ -8,13 +8,17 @@ torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) also run und
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "GradBucket", "allreduce_hook", "completed_future", "returns_future"]
+from lockstep.hang import LocalUsageError
+
+__all__ = ["CommHook", "GradBucket", "allreduce_hook", "check_annotations", "completed_future",
+           "returns_future"]
 
 
 class GradBucket:
@@ -100,8 +104,10 @@ def returns_future(hook: Callable) -> Callable:
     def checked(state: Any, bucket: GradBucket) -> torch.futures.Future:
         fut = hook(state, bucket)
         if not callable(getattr(fut, "wait", None)):  # torch._C.Future or torch.futures.Future
-            raise RuntimeError(  # noqa: TRY004 - torch's DDP raises RuntimeError here too
-                f"DistributedDataParallel: comm hook {name} returned {type(fut).__name__}, not a "
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise LocalUsageError(  # a RuntimeError, as torch's; not blamed on a peer
+                f"rank {rank}: DistributedDataParallel: comm hook {name} returned "
+                f"{type(fut).__name__}, not a "
                 "torch.futures.Future holding the averaged bucket. Return e.g. "
                 "dist.all_reduce(t, async_op=True).get_future().then(...), or "
                 "lockstep.ddp.comm_hooks.completed_future(tensor) when nothing is sent."
@@ -110,3 +116,39 @@ def returns_future(hook: Callable) -> Callable:
 
     checked.__qualname__ = checked.__name__ = getattr(hook, "__name__", "hook")
     return checked
+
+
+def check_annotations(hook: Callable) -> None:
+    """Raise ValueError, as torch's ``register_comm_hook``, for a wrongly annotated ``hook``.
+
+    The bucket parameter may be unannotated, ``Any`` or ``GradBucket`` (lockstep's or torch's); the
+    return annotation absent or ``torch.futures.Future[torch.Tensor]``. String annotations (from
+    ``from __future__ import annotations``) are compared by name.
+    """
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    params = list(sig.parameters.values())
+    bucket = sig.parameters.get("bucket", params[1] if len(params) > 1 else None)
+    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
+        ann = bucket.annotation
+        ok = (ann in (GradBucket, getattr(dist, "GradBucket", GradBucket), Any)
+              or (isinstance(ann, str) and ann.split(".")[-1] in ("GradBucket", "Any")))
+        if not ok:
+            raise ValueError(
+                f"register_comm_hook: hook {name}: bucket annotation should be dist.GradBucket "
+                f"(or lockstep.GradBucket), got {ann!r}; fix or remove the annotation."
+            )
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty:
+        ok = (ret == torch.futures.Future[torch.Tensor]
+              or (isinstance(ret, str)
+                  and ret.replace(" ", "") in ("torch.futures.Future[torch.Tensor]",
+                                               "Future[torch.Tensor]", "Future[Tensor]")))
+        if not ok:
+            raise ValueError(
+                f"register_comm_hook: hook {name}: return annotation should be "
+                f"torch.futures.Future[torch.Tensor], got {ret!r}; fix or remove the annotation."
+            )

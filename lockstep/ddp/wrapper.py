@@ -21,7 +21,7 @@ from lockstep import hang
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
 from lockstep.ddp import arguments
-from lockstep.ddp.comm_hooks import returns_future
+from lockstep.ddp.comm_hooks import check_annotations, returns_future
 from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import UnevenInputs
@@ -381,6 +381,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        check_annotations(hook)
         if self._hook_registered:
             why = (" (mixed_precision installed its reduce_dtype hook)"
                    if self._reduce_dtype is not None else

@@ -151,10 +151,17 @@ def run_doctor(args: argparse.Namespace) -> int:
     ranks = load_ranks(out / f"world{n}")
     title = (f"{Path(args.training_script).name} on {n} worker(s): last steps"
              + (f"; speedup {account.measured:.2f}x of {n}x" if account else ""))
-    plot_timeline(many["timeline"], out / "timeline.png", title)
     write_trace(timeline(ranks), out / "trace.json", Path(args.training_script).name)
-    print(f"wrote {out / 'profile.json'}, {out / 'summary.json'}, {out / 'timeline.png'} and "
-          f"{out / 'trace.json'} (open it in ui.perfetto.dev)")
+    png: Path | None = out / "timeline.png"
+    try:
+        plot_timeline(many["timeline"], out / "timeline.png", title)
+    except ModuleNotFoundError as exc:  # matplotlib is optional: pictures only, never the report
+        if not (exc.name or "").startswith("matplotlib"):
+            raise
+        print(f"skipped {out / 'timeline.png'}: matplotlib is not installed (pip install matplotlib)")
+        png = None
+    wrote = f"{out / 'profile.json'}, {out / 'summary.json'}" + (f", {png}" if png else "")
+    print(f"wrote {wrote} and {out / 'trace.json'} (open it in ui.perfetto.dev)")
     return 0
 
 

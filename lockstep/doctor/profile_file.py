@@ -39,7 +39,8 @@ def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(
             f"no rank*.json in {folder}: the script built no lockstep.DistributedDataParallel "
             "(wrap the model with it, or with lockstep.Runtime.wrap, even at world 1), or it "
-            "ended before its first step"
+            "ended before its first step, or its ranks failed to write their profile at exit "
+            "(their error is in the workers' output above)"
         )
     return [json.loads(p.read_text()) for p in paths]
 

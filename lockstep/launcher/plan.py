@@ -196,6 +196,12 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str
         configs["rank"] = args.node_rank
         return "static", f"{host}:{port}", args.rdzv_id, configs
     if not args.rdzv_endpoint or args.standalone:
+        if max_nodes > 1 and args.standalone:
+            raise ValueError(
+                f"--standalone runs on one machine but --nnodes {args.nnodes} asks for "
+                f"{max_nodes}: drop --standalone (and give --rdzv-endpoint HOST:PORT) "
+                "or drop --nnodes"
+            )
         if max_nodes > 1:
             raise ValueError(
                 f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every "

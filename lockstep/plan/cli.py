@@ -140,6 +140,12 @@ def run_plan(args: argparse.Namespace) -> int:
                 json.dump(result.to_dict(), f, indent=1)
             print(f"\nwrote {args.json_path}")
     if args.png_path:
-        result.save_png(args.png_path)
-        print(f"wrote {args.png_path}", file=sys.stderr)
+        try:
+            result.save_png(args.png_path)
+            print(f"wrote {args.png_path}", file=sys.stderr)
+        except ModuleNotFoundError as exc:  # matplotlib is optional: the table is the answer
+            if not (exc.name or "").startswith("matplotlib"):
+                raise
+            print(f"skipped {args.png_path}: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
     return 0
