@@ -93,7 +93,7 @@ class DDPObserver:
                                                 if self.ddp is not None else type(inner).__name__)
         self._last_param: str | None = None
         self._ready = 0
-        self._handles = [module.register_forward_pre_hook(self._forward_pre),
+        self._handles = [module.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
                          module.register_forward_hook(self._forward_post)]
         if self.ddp is None:
             self._arrivals = GradientArrivals([p for _, p in named], [n for n, _ in named],
@@ -145,9 +145,9 @@ class DDPObserver:
         return [self._layout[i] for i in sorted(self._layout)]
 
     # ---- forward and backward ----------------------------------------------------------------
-    def _forward_pre(self, module: nn.Module, inputs: Any) -> None:
+    def _forward_pre(self, module: nn.Module, inputs: Any, kwargs: Any = None) -> None:
         if torch.is_grad_enabled():
-            self.recorder.forward_started(inputs)
+            self.recorder.forward_started((inputs, kwargs or {}))
 
     def _forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -174,6 +174,10 @@ class DDPObserver:
         for index in list(rec._bucket_events):
             rec.bucket_waited(index)
         rec.backward_ended(synced=synced)
+        if rec._opt_start is not None:
+            # optimizer.step(closure) (Lightning): forward and backward ran inside the step;
+            # the optimizer's own time starts now.
+            rec._opt_start = rec.stamps.now()
 
     def close(self) -> None:
         for handle in self._handles:
