@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -186,13 +188,6 @@ class DDPObserver:
         self.recorder.close()
 
 
-def _shut_down_group() -> None:
-    """At exit, destroy the default group if the script did not (the doctor's bounded run
-    ends it mid-training; torch aborts at interpreter shutdown otherwise, once DDP has run)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 class TorchDDPWatch:
     """Finds the models to record (see the module docstring); :meth:`close` removes every hook."""
 
@@ -219,7 +214,7 @@ class TorchDDPWatch:
             self._single = None
             observer = DDPObserver(module, self.settings)
             if observer.ddp is not None and not self.observers:
-                atexit.register(_shut_down_group)
+                atexit.register(self._at_exit)
             self.observers.append(observer)
             observer._forward_pre(module, inputs)  # its own pre-hook starts with the next call
 
@@ -237,6 +232,26 @@ class TorchDDPWatch:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if any(id(p) in ids for p in root.parameters()):
             self._single = weakref.ref(root)  # recorded from its next forward
+
+    def _at_exit(self) -> None:
+        """Save, and end a bounded run (``lockstep doctor``) without interpreter teardown.
+
+        The doctor ends the script mid-training (SystemExit from the optimizer hook); torch's
+        DDP and gloo then sometimes abort while the interpreter shuts down ("terminate called
+        without an active exception"), failing a run whose profile is already written. After
+        the profile is saved such a process ends here, with status 0.
+        """
+        over = False
+        for observer in self.observers:
+            rec = observer.recorder
+            rec.save()
+            over = over or (rec.max_steps is not None and rec.step_count >= rec.max_steps)
+        if over:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def close(self) -> None:
         for handle in self._handles:
