@@ -8,6 +8,8 @@ carries rank 1's Python stack (the function it is stuck in).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -93,3 +95,18 @@ def test_stuck_rank_stack_is_shown_next_to_its_name(tmp_path, mode, function):
     assert "Python stack of rank 1 (pid " in error, error
     stack = error.split("Python stack of rank 1", 1)[1]
     assert function in stack and "_stuck_rank" in stack, error
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_launcher_root_cause_shows_the_hung_rank_stack(tmp_path):
+    script = Path(__file__).parent / "scripts" / "hang_ddp.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2", str(script), "sleep",
+         "1", str(TIMEOUT_S)], check=False, capture_output=True, text=True, timeout=150,
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", INTERVAL_ENV_VAR: "0.4"})
+    err = done.stderr
+    assert done.returncode == 1, err[-3000:]
+    report = err[err.index("Root cause: rank 1 "):]
+    stack = report[report.index("Python stack of rank 1 (pid "):]
+    assert "hang_ddp.py" in stack and "in main" in stack, report
