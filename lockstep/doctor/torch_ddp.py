@@ -233,6 +233,12 @@ class TorchDDPWatch:
         if any(id(p) in ids for p in root.parameters()):
             self._single = weakref.ref(root)  # recorded from its next forward
 
+    def stop_discovery(self) -> None:
+        """Record the models found so far, and no new ones (removes the global hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _at_exit(self) -> None:
         """Save, and end a bounded run (``lockstep doctor``) without interpreter teardown.
 
@@ -254,9 +260,7 @@ class TorchDDPWatch:
             dist.destroy_process_group()
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.stop_discovery()
         for observer in self.observers:
             observer.close()
 
