@@ -7,8 +7,9 @@ Usage::
 
 Each rank builds two :class:`torch.nn.parallel.DistributedDataParallel` replicas of the same
 model: one observed by :class:`lockstep.doctor.torch_ddp.TorchDDPWatch` (hooks, the wrapping
-comm hook, the recorder), one plain (torch's built-in all-reduce). Blocks of steps alternate
-between them (the order flips every round); the table gives the median wall time per step of
+comm hook, the recorder), one plain (torch's built-in all-reduce), and one with torch's Python ``allreduce_hook`` (the
+hook the observer wraps), to separate a Python comm hook's own cost. Blocks of steps alternate
+between them (the order reverses every round); the table gives the median wall time per step of
 each and the ratio.
 """
 
@@ -21,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import lockstep
 from lockstep.doctor.torch_ddp import TorchDDPWatch
@@ -43,7 +45,11 @@ def run(rank: int, rounds: int, block: int, warmup: int) -> dict:
     watch.stop_discovery()
     plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
     opts["off"] = torch.optim.SGD(plain.parameters(), lr=1e-3)
-    models = {"on": observed, "off": plain}
+    # torch's own Python all-reduce hook, unobserved: what a Python comm hook costs by itself
+    hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
+    hooked.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    opts["py-hook"] = torch.optim.SGD(hooked.parameters(), lr=1e-3)
+    models = {"on": observed, "off": plain, "py-hook": hooked}
 
     def steps(name: str, n: int) -> float:
         model, opt = models[name], opts[name]
@@ -57,9 +63,10 @@ def run(rank: int, rounds: int, block: int, warmup: int) -> dict:
 
     for name in models:
         steps(name, warmup)
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds):
-        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        order = ("on", "off", "py-hook")
+        for name in (order if r % 2 == 0 else order[::-1]):
             times[name].append(steps(name, block))
     assert watch.observers and watch.observers[0].recorder.step_count > 0
     watch.close()
@@ -79,7 +86,9 @@ def main() -> None:
     print(f"world {args.world}, gloo/CPU, {rounds} rounds of {block} steps, median per step:")
     print(f"  torch DDP, not observed: {res['off'] * 1e3:8.2f} ms")
     print(f"  torch DDP, observed:     {res['on'] * 1e3:8.2f} ms")
+    print(f"  torch DDP, Python allreduce_hook, not observed: {res['py-hook'] * 1e3:8.2f} ms")
     print(f"  observed / not:          {res['on'] / res['off']:8.3f}")
+    print(f"  observed / Python hook:  {res['on'] / res['py-hook']:8.3f}")
 
 
 if __name__ == "__main__":
