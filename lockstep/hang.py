@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from lockstep.progress import GroupProgress, ProgressTracker, tracker
+from lockstep.stackdump import request_stack
 
 __all__ = [
     "BLAME_FILE",
@@ -155,10 +157,23 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
     error = CollectiveTimeoutError(
         f"rank {me}: {op} failed after waiting {waited:.1f}s (collective #{seq} on ranks "
         f"{progress.ranks}, step {progress.tracker.step}): {named}. Backend error: "
-        f"{_first_line(cause)}", op, [c.rank for c in culprits],
+        f"{_first_line(cause)}{_stacks_of(culprits)}", op, [c.rank for c in culprits],
     )
     write_blame(me, [c.as_dict() for c in culprits], str(error))
     return error
+
+
+def _stacks_of(culprits: list[Culprit]) -> str:
+    """The Python stack of each stuck culprit on this host (see :mod:`lockstep.stackdump`)."""
+    host, parts = socket.gethostname(), []
+    for c in culprits:
+        pid = c.record.get("pid")
+        if c.state != "stuck" or not isinstance(pid, int) or c.record.get("host") != host:
+            continue
+        stack = request_stack(pid)
+        if stack:
+            parts.append(f"\nPython stack of rank {c.rank} (pid {pid}), where it is stuck:\n{stack}")
+    return "".join(parts)
 
 
 def _store_gone(me: int, op: str, cause: Exception, waited: float) -> CollectiveTimeoutError:

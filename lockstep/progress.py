@@ -28,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep.stackdump import StackDump
+
 __all__ = [
     "INTERVAL_ENV_VAR",
     "GroupProgress",
@@ -130,6 +132,8 @@ class ProgressTracker:
             target=self._run, name=f"lockstep-progress-{rank}", daemon=True
         )
         self._thread.start()
+        # SIGUSR1 dumps this rank's Python stack, for a peer that names it stuck (lockstep.hang)
+        self._stack = StackDump.install()
         atexit.register(self.close)
 
     # ---- hot path: memory only -------------------------------------------------------------
@@ -185,6 +189,7 @@ class ProgressTracker:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._stack.remove()
         self._thread.join(timeout=self.interval)
         self._state = "exited"
         try:

@@ -84,10 +84,10 @@ class Recorder:
         self.device = device
         self.stamps = Stamps(device)
         self.group = group
-        # Read now: the atexit save runs after the script destroyed its process group.
-        self._backend = str(dist.get_backend(group)) if group is not None else None
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
+        # read now: at exit the script may have destroyed the group (torch DDP scripts do)
+        self.backend = str(dist.get_backend(group)) if group is not None else None
         self.layout = layout or (list)
         self.model_info = model_info or {}
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -296,7 +296,7 @@ class Recorder:
         """This rank's raw profile (what ``rank<R>.json`` holds)."""
         self._resolve(wait=True)
         first = self.step_count - len(self.steps)
-        backend = self._backend
+        backend = self.backend
         return {
             "format": "lockstep-profile-rank", "version": 1, "rank": self.rank,
             "world_size": self.world_size, "host": socket.gethostname(), "backend": backend,

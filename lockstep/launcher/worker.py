@@ -73,6 +73,16 @@ def run_script(target: str, args: list[str], as_module: bool = False) -> None:
     runpy.run_path(target, run_name="__main__")
 
 
+def _observe_torch_ddp() -> None:
+    """Under ``lockstep doctor`` (``LOCKSTEP_PROFILE``): record torch's own DDP as well."""
+    from lockstep.doctor.env import profiling_requested
+
+    if profiling_requested():
+        from lockstep.doctor.torch_ddp import observe_torch_ddp
+
+        observe_torch_ddp()
+
+
 def _traceback_of(exc: BaseException) -> str:
     """The user's traceback, as :func:`~lockstep.launcher.errors.trim_traceback` shows it
     (without the backend's story behind a collective error lockstep named)."""
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m lockstep.launcher.worker [-m] TARGET [ARGS...]")
     _die_with_launcher()
     _announce_rank()
+    _observe_torch_ddp()
     try:
         run_script(argv[0], argv[1:], as_module)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's script is reported

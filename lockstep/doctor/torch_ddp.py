@@ -1,0 +1,273 @@
+"""The doctor on scripts lockstep did not write: torch's own DistributedDataParallel, observed.
+
+Hugging Face's Trainer, Lightning and Accelerate wrap the model in
+:class:`torch.nn.parallel.DistributedDataParallel`. Under ``LOCKSTEP_PROFILE`` (set by
+``lockstep doctor``) each worker calls :func:`observe_torch_ddp` before the script runs, and
+every torch DDP the script builds is recorded by the same :class:`~lockstep.doctor.recorder.Recorder`
+lockstep's own DDP uses, so the profile, the account, the findings and the pictures are the same.
+
+Only public seams are used:
+
+- discovery: a global module forward pre-hook (``register_module_forward_pre_hook``) notices
+  each torch DDP instance at its first forward (no class is patched);
+- forward: the instance's forward pre/post hooks; backward start: a gradient hook on the first
+  output tensor; gradients ready: ``register_post_accumulate_grad_hook`` on each parameter;
+- buckets: a comm hook (``register_comm_hook``) that wraps the default all-reduce, or the hook
+  the script registers afterwards (the instance's ``register_comm_hook`` is replaced, on that
+  instance only, by one that chains behind the recorder). A hook registered *before* the first
+  forward cannot be wrapped: the buckets are then not observed, and a warning says so;
+- optimizer: torch's global optimizer step hooks (in the recorder).
+
+One private name is used, in :func:`_after_backward`: the autograd engine's ``queue_callback``
+(what torch's DDP itself uses to finish a backward), to mark the end of backward.
+
+A world of one has no DDP (Trainer does not wrap a single process): there the outermost module
+whose parameters the first optimizer step updates is recorded from its next forward on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import lockstep.ddp  # noqa: F401  - first: lockstep.ddp and the doctor's recorder import each other
+from lockstep.doctor.arrivals import GradientArrivals
+from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.recorder import Recorder
+from lockstep.tensors import iter_tensors
+
+__all__ = ["DDPObserver", "TorchDDPWatch", "observe_torch_ddp"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_BUCKET_CAP = 25 * 2**20  # torch DDP's default bucket_cap_mb
+
+
+def _after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward has finished, DDP's own finalisation included.
+
+    The only private torch name here: the engine's ``queue_callback``. Callbacks run in queue
+    order and one queued from a callback runs after all queued before it, so queuing twice puts
+    this after the reducer's ``finalize_backward`` (queued when its last bucket became ready).
+    """
+    engine = Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(callback))
+
+
+class DDPObserver:
+    """Records one model: a torch DDP instance (``ddp`` True) or a plain module (world of one)."""
+
+    def __init__(self, module: nn.Module, settings: dict[str, Any]) -> None:
+        from lockstep.ddp.profiling import _model_entry
+
+        self.ddp = module if isinstance(module, TorchDDP) else None
+        inner = module.module if isinstance(module, TorchDDP) else module
+        named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in named}
+        self._trainable = len(named)
+        device = named[0][1].device if named else torch.device("cpu")
+        group = None
+        if self.ddp is not None and dist.get_world_size(self.ddp.process_group) > 1:
+            group = self.ddp.process_group
+        self._layout: dict[int, dict[str, Any]] = {}
+        self._arrivals: GradientArrivals | None = None
+        broadcast = bool(getattr(self.ddp, "broadcast_buffers", False))
+        self.recorder = Recorder(device, [p for _, p in named], group, self._bucket_layout,
+                                 _model_entry(inner, list(inner.buffers()), broadcast),
+                                 **settings)
+        self.recorder.model_info["observed"] = ("torch.nn.parallel.DistributedDataParallel"
+                                                if self.ddp is not None else type(inner).__name__)
+        self._last_param: str | None = None
+        self._ready = 0
+        self._handles = [module.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
+                         module.register_forward_hook(self._forward_post)]
+        if self.ddp is None:
+            self._arrivals = GradientArrivals([p for _, p in named], [n for n, _ in named],
+                                              _TORCH_BUCKET_CAP, self.recorder)
+        self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+        self.buckets_observed = self.ddp is not None and self._wrap_comm_hook(self.ddp)
+
+    # ---- comm hook -------------------------------------------------------------------------
+    def _wrap_comm_hook(self, ddp: TorchDDP) -> bool:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._inner: Callable[[Any, Any], torch.futures.Future] = allreduce_hook
+        self._inner_state: Any = ddp.process_group
+        try:
+            # unannotated: torch checks annotations, which are strings in this module
+            ddp.register_comm_hook(None, lambda state, bucket: self._comm_hook(state, bucket))
+        except RuntimeError as err:  # the script registered its own hook before the first forward
+            logger.warning("lockstep doctor: %s: the script registered its own comm hook before "
+                           "the first forward, so per-bucket all-reduce times are not observed "
+                           "(forward, backward and optimizer still are). Register it after the "
+                           "first forward, or call model.register_comm_hook later, to see them. "
+                           "(%s)", type(ddp.module).__name__, err)
+            return False
+
+        def chained(state: object, hook: Callable[..., Any]) -> None:
+            self._inner, self._inner_state = hook, state  # the recorder stays in front
+
+        ddp.register_comm_hook = chained  # type: ignore[method-assign]  # this instance only
+        return True
+
+    def _comm_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+        index, rec = bucket.index(), self.recorder
+        rec.backward_started()
+        rec.bucket_ready(index, self._last_param)
+        rec.bucket_launched(index)
+        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+        entry = self._layout.get(index)
+        if entry is None or entry["bytes"] != nbytes:
+            self._layout[index] = {"index": index, "bytes": nbytes,
+                                   "params": [self._names.get(id(p), "?")
+                                              for p in bucket.parameters()]}
+        future = self._inner(self._inner_state, bucket)
+        rec.watch_bucket(index, future)
+        return future
+
+    def _bucket_layout(self) -> list[dict[str, Any]]:
+        if self._arrivals is not None:
+            return self._arrivals.layout()
+        return [self._layout[i] for i in sorted(self._layout)]
+
+    # ---- forward and backward ----------------------------------------------------------------
+    def _forward_pre(self, module: nn.Module, inputs: Any, kwargs: Any = None) -> None:
+        if torch.is_grad_enabled():
+            self.recorder.forward_started((inputs, kwargs or {}))
+
+    def _forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.recorder.forward_ended()
+        first = next((t for t in iter_tensors(output) if t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self.recorder.backward_started()
+        self._ready = 0
+        synced = self.ddp is None or bool(self.ddp.require_backward_grad_sync)
+        _after_backward(lambda: self._backward_ended(synced))
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        self._last_param = self._names.get(id(param))
+        self._ready += 1
+        if self._ready == self._trainable:
+            self.recorder.backward_compute_ended()
+
+    def _backward_ended(self, synced: bool) -> None:
+        rec = self.recorder
+        for index in list(rec._bucket_events):
+            rec.bucket_waited(index)
+        rec.backward_ended(synced=synced)
+        if rec._opt_start is not None:
+            # optimizer.step(closure) (Lightning): forward and backward ran inside the step;
+            # the optimizer's own time starts now.
+            rec._opt_start = rec.stamps.now()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.recorder.close()
+
+
+class TorchDDPWatch:
+    """Finds the models to record (see the module docstring); :meth:`close` removes every hook."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.observers: list[DDPObserver] = []
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._depth = 0
+        self._root: weakref.ref[nn.Module] | None = None
+        self._single: weakref.ref[nn.Module] | None = None  # world of one: record this next
+        self._handles = [register_module_forward_pre_hook(self._module_pre),
+                         register_module_forward_hook(self._module_post),
+                         register_optimizer_step_pre_hook(self._optimizer_pre)]
+
+    def _module_pre(self, module: nn.Module, inputs: Any) -> None:
+        if self._depth == 0:
+            self._root = weakref.ref(module)
+        self._depth += 1
+        if module in self._seen:
+            return
+        single = self._single() if self._single is not None else None
+        if isinstance(module, TorchDDP) or module is single:
+            self._seen.add(module)
+            self._single = None
+            observer = DDPObserver(module, self.settings)
+            if observer.ddp is not None and not self.observers:
+                atexit.register(self._at_exit)
+            self.observers.append(observer)
+            observer._forward_pre(module, inputs)  # its own pre-hook starts with the next call
+
+    def _module_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.observers or self._single is not None or self._root is None:
+            return
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return  # a larger world records its DDP; nothing else is guessed
+        root = self._root()
+        if root is None or root in self._seen or getattr(root, "profiler", None) is not None:
+            return  # gone, recorded, or lockstep's own DDP (which records itself)
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if any(id(p) in ids for p in root.parameters()):
+            self._single = weakref.ref(root)  # recorded from its next forward
+
+    def stop_discovery(self) -> None:
+        """Record the models found so far, and no new ones (removes the global hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _at_exit(self) -> None:
+        """Save, and end a bounded run (``lockstep doctor``) without interpreter teardown.
+
+        The doctor ends the script mid-training (SystemExit from the optimizer hook); torch's
+        DDP and gloo then sometimes abort while the interpreter shuts down ("terminate called
+        without an active exception"), failing a run whose profile is already written. After
+        the profile is saved such a process ends here, with status 0.
+        """
+        over = False
+        for observer in self.observers:
+            rec = observer.recorder
+            rec.save()
+            over = over or (rec.max_steps is not None and rec.step_count >= rec.max_steps)
+        if over:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def close(self) -> None:
+        self.stop_discovery()
+        for observer in self.observers:
+            observer.close()
+
+
+def observe_torch_ddp(environ: dict[str, str] | None = None) -> TorchDDPWatch | None:
+    """Under ``LOCKSTEP_PROFILE``: record every torch DDP this process builds (None when off)."""
+    settings = settings_from_env(environ)
+    if settings is None:
+        return None
+    return TorchDDPWatch(settings)
