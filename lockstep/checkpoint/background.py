@@ -102,7 +102,11 @@ class BackgroundSave:
         name = _marker(_FAILED, self.rank) if error else _marker(_WRITTEN, self.rank)
         tmp = self.staging / f"{name}.tmp"
         try:
-            tmp.write_text(error or "")
+            try:
+                tmp.write_text(error or "")
+            except OSError:  # e.g. the disk is full: an empty marker still says "failed"
+                tmp.unlink(missing_ok=True)
+                tmp.touch()
             os.replace(tmp, self.staging / name)
         except OSError as exc:  # rank 0 then times out naming this rank
             logger.warning("rank %d could not mark its checkpoint files written: %s",
@@ -115,7 +119,8 @@ class BackgroundSave:
             for rank in sorted(waiting):
                 failed = self.staging / _marker(_FAILED, rank)
                 if failed.exists():
-                    return f"rank {rank}: {failed.read_text()}"
+                    told = failed.read_text() or "could not write its files"
+                    return f"rank {rank}: {told}"
                 if (self.staging / _marker(_WRITTEN, rank)).exists():
                     waiting.discard(rank)
             if waiting and time.monotonic() > deadline:

@@ -93,6 +93,8 @@ class Checkpointer:
         timeout: seconds a rank waits for the others to enter :meth:`save`/:meth:`restore`
             before failing with the names of those that did not (the default matches the
             process group's 10 minutes, after which the save's collectives would fail anyway).
+        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
+            asynchronous (a snapshot in host memory, written by a background thread).
 
     Example::
 
@@ -112,6 +114,7 @@ class Checkpointer:
         *,
         process_group: Any = None,
         timeout: float = 600.0,
+        blocking: bool = True,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -127,6 +130,9 @@ class Checkpointer:
             )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        self.blocking = blocking
         self.directory = Path(directory)
         self.keep = keep
         self.process_group = process_group
@@ -159,7 +165,9 @@ class Checkpointer:
             errors = self._gather(error)
         else:
             errors = [error]
-        failure = next((e for e in errors if e), None)
+        # The failing rank's own message (it names the file) over what others saw of it.
+        own = [e for r, e in enumerate(errors) if e and e.startswith(f"rank {r}:")]
+        failure = next(iter(own), next((e for e in errors if e), None))
         if failure is not None and pending is not None:
             raise CheckpointError(f"saving checkpoint {pending.final} failed on {failure}")
         if failure is not None:  # another rank had a save in flight that this one did not
@@ -223,17 +231,17 @@ class Checkpointer:
         *,
         epoch: int = 0,
         extra: Mapping[str, Any] | None = None,
-        blocking: bool = False,
+        blocking: bool | None = None,
         **objects: Any,
     ) -> Path:
         """Write a checkpoint for ``step``; call on every rank.
 
-        By default the save is asynchronous: it returns once a copy of the state is in host
-        memory (see :attr:`snapshot_bytes`) and a thread writes it; the checkpoint directory
-        appears when every rank has written. The next ``save()``, :meth:`wait`, ``restore()``,
-        the end of the process and a SIGTERM wait for it; an error in the write is raised by the
-        next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only once it is on
-        disk, raising any error itself.
+        With ``blocking=False`` the save is asynchronous: it returns once a copy of the state is
+        in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the checkpoint
+        directory appears when every rank has written. The next ``save()``, :meth:`wait`,
+        ``restore()``, the end of the process and a SIGTERM wait for it; an error in the write is
+        raised by the next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only
+        once it is on disk, raising any error itself.
 
         Args:
             step: the step to resume at (typically the number of optimizer steps done).
@@ -241,7 +249,8 @@ class Checkpointer:
             extra: your own plain values (numbers, strings, tensors, lists, dicts).
             **objects: name -> object with ``state_dict()``, e.g. ``model=model``; one with
                 ``sharded_state_dict()`` is written one piece per rank (see ``sharded``).
-            blocking: write before returning (``False``: in a background thread).
+            blocking: write before returning (``False``: in a background thread); ``None``:
+                the ``blocking`` given to the constructor (``True`` unless told otherwise).
 
         Returns:
             The directory of the new checkpoint (asynchronous: where it will appear).
@@ -252,8 +261,10 @@ class Checkpointer:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if blocking is None:
+            blocking = self.blocking
         if not isinstance(blocking, bool):
-            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+            raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
         self._settle()
