@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 _WRITTEN = ".written-rank"
 _FAILED = ".failed-rank"
 _POLL_S = 0.005
+# After a SIGTERM, rank 0 waits this long at most for the other ranks' files: they are being
+# stopped too and finish their own writes first, but one that died will never write them.
+_PEERS_AFTER_SIGTERM_S = 10.0
 
 
 def _marker(prefix: str, rank: int) -> str:
@@ -65,13 +68,18 @@ class BackgroundSave:
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
-        self._files, self._publish, self._timeout, self._attempt = files, publish, timeout, attempt
+        self._files, self._publish, self._attempt = files, publish, attempt
         self.error: str | None = None  # "rank r: message" of the first failure seen here
+        self._deadline = time.monotonic() + timeout  # for rank 0's wait for the other ranks
         self._thread = threading.Thread(
             target=self._run, name=f"lockstep-checkpoint-{final.name}", daemon=False
         )
         _PENDING.add(self)
         self._thread.start()
+
+    def hurry(self, seconds: float) -> None:
+        """Wait at most ``seconds`` more for the other ranks (the process is being stopped)."""
+        self._deadline = min(self._deadline, time.monotonic() + seconds)
 
     def join(self) -> str | None:
         """Wait for the write (and, on rank 0, the publish); the error seen here, if any."""
@@ -114,7 +122,6 @@ class BackgroundSave:
 
     def _wait_for_peers(self) -> str | None:
         waiting = set(range(1, self.world))
-        deadline = time.monotonic() + self._timeout
         while waiting:
             for rank in sorted(waiting):
                 failed = self.staging / _marker(_FAILED, rank)
@@ -123,11 +130,11 @@ class BackgroundSave:
                     return f"rank {rank}: {told}"
                 if (self.staging / _marker(_WRITTEN, rank)).exists():
                     waiting.discard(rank)
-            if waiting and time.monotonic() > deadline:
+            if waiting and time.monotonic() > self._deadline:
                 return (
                     f"rank 0: rank(s) {sorted(waiting)} did not finish writing their files into "
-                    f"{self.staging} within {self._timeout:.0f}s (died, or the directory is not "
-                    "shared between the ranks)"
+                    f"{self.staging} in time (died, or the directory is not shared between the "
+                    "ranks)"
                 )
             if waiting:
                 time.sleep(_POLL_S)
@@ -155,6 +162,7 @@ def finish_on_sigterm() -> None:
 
     def handler(signum: int, frame: Any) -> None:
         for pending in list(_PENDING):
+            pending.hurry(_PEERS_AFTER_SIGTERM_S)
             pending.join()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
