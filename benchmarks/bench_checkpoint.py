@@ -6,11 +6,17 @@ One process, a model of about ``--mib`` MiB of float32 weights plus Adam's state
 
 Prints seconds to save and to resume (read, then load into the model and optimizer) with each,
 and the ratios. ``torch.save`` neither fsyncs nor checksums: that is the difference measured.
+
+Then the stall: how long each way of saving blocks the training loop, taken alternately, best
+of ``--repeats``: ``torch.save``, a copy of the state in memory (``clone()`` of every tensor),
+a blocking ``Checkpointer.save`` and an asynchronous one (``Checkpointer(blocking=False)``; its
+background write is waited for outside the timed part, as the next training steps would hide it).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +73,7 @@ def main() -> None:
             ),
         }
         size = plain.stat().st_size / 2**20
+        stalls = measure_stalls(model, optimizer, Path(tmp), args.repeats, torch_save)
     print(f"{size:.0f} MiB of model + Adam state, one process, best of {args.repeats}")
     print("| how | save (s) | resume (s) | save ratio | resume ratio |")
     print("|---|---|---|---|---|")
@@ -74,6 +81,45 @@ def main() -> None:
     for how, (save, load) in rows.items():
         ratios = f"{save / base_save:.2f}x | {load / base_load:.2f}x"
         print(f"| {how} | {save:.3f} | {load:.3f} | {ratios} |")
+    print()
+    print(f"Stall per save (the loop waits this long), {size:.0f} MiB, taken alternately")
+    print("| how | best (s) | median (s) | vs torch.save | vs memory snapshot |")
+    print("|---|---|---|---|---|")
+    base, snap = min(stalls["torch.save"]), min(stalls["memory snapshot (clone)"])
+    for how, times in stalls.items():
+        best = min(times)
+        print(f"| {how} | {best:.3f} | {statistics.median(times):.3f} | {best / base:.2f}x | "
+              f"{best / snap:.2f}x |")
+
+
+def measure_stalls(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tmp: Path, repeats: int, torch_save
+) -> dict[str, list[float]]:
+    blocking = lockstep.Checkpointer(tmp / "blocking", keep=1)
+    background = lockstep.Checkpointer(tmp / "async", keep=1, blocking=False)
+
+    def snapshot() -> None:
+        {"model": {k: v.clone() for k, v in model.state_dict().items()},
+         "optimizer": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                       for k, v in optimizer.state_dict()["state"].items()}}
+
+    ways = {
+        "torch.save": torch_save,
+        "memory snapshot (clone)": snapshot,
+        "Checkpointer.save(blocking=True)": lambda: blocking.save(
+            1, model=model, optimizer=optimizer),
+        "Checkpointer.save(blocking=False)": lambda: background.save(
+            1, model=model, optimizer=optimizer),
+    }
+    stalls: dict[str, list[float]] = {how: [] for how in ways}
+    for _ in range(repeats):
+        for how, fn in ways.items():
+            start = time.perf_counter()
+            fn()
+            stalls[how].append(time.perf_counter() - start)
+            background.wait()  # outside the timing: later training steps would overlap it
+    print(f"asynchronous snapshot holds {background.snapshot_bytes / 2**20:.0f} MiB of host memory")
+    return stalls
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_keeps_newest_k_and_skips_damaged(tmp_path):
     objs = _objects()
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
-        ckpt.save(step, model=objs["model"])
+        ckpt.save(step, model=objs["model"], blocking=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000000002", "step_000000000003"]
     newest = tmp_path / "step_000000000003" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:-10])  # truncated
@@ -167,7 +167,7 @@ def test_malicious_pickle_never_runs(tmp_path):
         load_weights(Net(), plain)
     # The same payload inside a well-formed lockstep checkpoint, checksum and all.
     good = Checkpointer(tmp_path / "ck")
-    path = good.save(1, model=Net())
+    path = good.save(1, model=Net(), blocking=True)
     (path / "state.pt").write_bytes(ckpt_io.encode({"meta": _Evil(marker)}))
     with pytest.warns(UserWarning, match="refusing to load"):
         assert good.restore(model=Net()) is None
@@ -181,7 +181,7 @@ def test_loads_torch_ddp_files_and_wrapped_models(tmp_path):
     try:
         wrapped = torch.nn.parallel.DistributedDataParallel(source)
         torch.save(wrapped.state_dict(), tmp_path / "ddp.pt")  # keys start with module.
-        Checkpointer(tmp_path / "ck").save(5, model=wrapped)
+        Checkpointer(tmp_path / "ck").save(5, model=wrapped, blocking=True)
     finally:
         lockstep.shutdown_distributed()
     from safetensors.torch import save_file
@@ -269,7 +269,7 @@ def _world_of_two(rank: int, directory: str) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
     try:
-        ckpt.save(4, model=fresh["model"])
+        ckpt.save(4, model=fresh["model"], blocking=True)
         error = ""
     except CheckpointError as exc:
         error = str(exc)
@@ -383,9 +383,9 @@ def test_damaged_safetensors_is_a_checkpoint_error(tmp_path):
 def test_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path):
     model = torch.nn.Linear(2, 2)
     ckpt = lockstep.Checkpointer(tmp_path, keep=1)
-    first = ckpt.save(1, model=model)
+    first = ckpt.save(1, model=model, blocking=True)
     os.replace(first, tmp_path / f".replaced-{first.name}")  # as if killed mid-publish
-    ckpt.save(2, model=model)
+    ckpt.save(2, model=model, blocking=True)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         (tmp_path / ckpt.latest()).name]
     assert ckpt.latest().name != first.name or first.exists()
@@ -396,7 +396,7 @@ def test_fresh_start_after_damaged_checkpoints_is_kept(tmp_path, keep):
     """All checkpoints damaged, a fresh start saves a lower step: it must survive keep-K."""
     model = torch.nn.Linear(2, 2)
     writer = Checkpointer(tmp_path, keep=3)
-    for path in [writer.save(step, model=model) for step in (10, 20, 30)]:
+    for path in [writer.save(step, model=model, blocking=True) for step in (10, 20, 30)]:
         state = path / "state.pt"
         state.write_bytes(state.read_bytes()[:-10])  # truncated
     ckpt = Checkpointer(tmp_path, keep=keep)
@@ -404,7 +404,7 @@ def test_fresh_start_after_damaged_checkpoints_is_kept(tmp_path, keep):
         assert ckpt.restore(model=model) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        new = ckpt.save(5, model=model)
+        new = ckpt.save(5, model=model, blocking=True)
     messages = " ".join(str(w.message) for w in caught)
     names = sorted(p.name for p in tmp_path.iterdir())
     if keep == 1:  # the damaged ones are beyond the one kept: deleted like any surplus
@@ -425,9 +425,9 @@ def test_keep_counts_only_intact_checkpoints(tmp_path):
     model = torch.nn.Linear(2, 2)
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
-        ckpt.save(step, model=model)
+        ckpt.save(step, model=model, blocking=True)
     (tmp_path / "step_000000000003" / "rng-rank00000.pt").unlink()  # damaged
     with pytest.warns(UserWarning, match=r"step_000000000003 is damaged .* moved it aside"):
-        ckpt.save(4, model=model)
+        ckpt.save(4, model=model, blocking=True)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "step_000000000002", "step_000000000004"]

@@ -63,6 +63,23 @@ def test_sigkilled_worker_resumes_bitwise_equal(tmp_path):
 
 
 @pytest.mark.multirank
+def test_sigkilled_worker_resumes_bitwise_equal_with_async_saves(tmp_path):
+    """The same kill with saves written in the background: still bitwise, still complete."""
+    marker = tmp_path / "killed-once"
+    plain = _launch(tmp_path / "plain")
+    killed = _launch(tmp_path / "killed", "--async-save", "--kill-rank", "1", "--kill-at-step",
+                     "7", "--marker", str(marker))
+    reference = _finish(plain, tmp_path / "plain")
+    resumed = _finish(killed, tmp_path / "killed")
+    assert marker.exists(), "rank 1 was never killed: the test proved nothing"
+    for key in reference:
+        assert torch.equal(reference[key], resumed[key]), f"{key} differs after the resume"
+    # The last save (step 15) was asynchronous: the end of the process waited for it.
+    names = sorted(p.name for p in (tmp_path / "killed" / "ckpt").iterdir())
+    assert names == ["step_000000000012", "step_000000000015"]
+
+
+@pytest.mark.multirank
 def test_sigkilled_worker_resumes_bitwise_equal_at_world_3(tmp_path):
     """Three workers, residual blocks in small shared buckets: a 3-way sum is rounded the same way
     only if the resumed job reduces with the uninterrupted job's bucket layout."""

@@ -2,8 +2,10 @@
 
 ``manager`` is the public API (:class:`Checkpointer`); ``meeting`` is where ranks meet and what
 they must agree on; ``directory`` names, lists and prunes checkpoints; ``writing`` writes one
-(staging, checksummed files, publish); ``loading`` verifies one and loads it into objects;
-``state`` knows what each object holds; ``io`` knows how bytes reach the disk and come back.
+(staging, checksummed files, publish); ``snapshot`` copies the state into reused host buffers
+and ``background`` writes that copy in a thread (asynchronous saves); ``loading`` verifies one
+and loads it into objects; ``state`` knows what each object holds; ``io`` knows how bytes reach
+the disk and come back.
 """
 
 from lockstep.checkpoint.io import CheckpointError, load_file

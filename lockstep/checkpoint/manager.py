@@ -27,11 +27,13 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm
 from lockstep.checkpoint.directory import (
     check_directory,
     checkpoint_files,
@@ -42,7 +44,14 @@ from lockstep.checkpoint.io import CheckpointError, describe_os_error
 from lockstep.checkpoint.loading import IntactCheckpoints, load_into
 from lockstep.checkpoint.meeting import check_agreement, meet
 from lockstep.checkpoint.sharded import saves_sharded, shard_writers
-from lockstep.checkpoint.writing import prepare_staging, publish, staging_dir, write_rank_files
+from lockstep.checkpoint.snapshot import Snapshot
+from lockstep.checkpoint.writing import (
+    collect_rank_files,
+    prepare_staging,
+    publish,
+    staging_dir,
+    write_files,
+)
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 
@@ -84,6 +93,8 @@ class Checkpointer:
         timeout: seconds a rank waits for the others to enter :meth:`save`/:meth:`restore`
             before failing with the names of those that did not (the default matches the
             process group's 10 minutes, after which the save's collectives would fail anyway).
+        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
+            asynchronous (a snapshot in host memory, written by a background thread).
 
     Example::
 
@@ -103,6 +114,7 @@ class Checkpointer:
         *,
         process_group: Any = None,
         timeout: float = 600.0,
+        blocking: bool = True,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -118,6 +130,9 @@ class Checkpointer:
             )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        self.blocking = blocking
         self.directory = Path(directory)
         self.keep = keep
         self.process_group = process_group
@@ -125,6 +140,38 @@ class Checkpointer:
         self._calls = 0
         # The checkpoints written or verified by this object, with their files.
         self._intact = IntactCheckpoints()
+        self._snapshot = Snapshot()  # host buffers of asynchronous saves, reused
+        self._pending: BackgroundSave | None = None  # the asynchronous save in flight
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held by this rank's snapshot for asynchronous saves (0 before any)."""
+        return self._snapshot.nbytes
+
+    def wait(self) -> None:
+        """Wait until the last asynchronous :meth:`save` is on disk; call on every rank.
+
+        Raises:
+            CheckpointError: on every rank, naming the rank and file, if writing it failed;
+                the previous checkpoint is then the newest one.
+        """
+        self._settle()
+
+    def _settle(self) -> None:
+        """Finish the save in flight and raise its error, if any, on every rank."""
+        pending, self._pending = self._pending, None
+        error = pending.join() if pending is not None else None
+        if self._rank_and_world()[1] > 1:
+            errors = self._gather(error)
+        else:
+            errors = [error]
+        # The failing rank's own message (it names the file) over what others saw of it.
+        own = [e for r, e in enumerate(errors) if e and e.startswith(f"rank {r}:")]
+        failure = next(iter(own), next((e for e in errors if e), None))
+        if failure is not None and pending is not None:
+            raise CheckpointError(f"saving checkpoint {pending.final} failed on {failure}")
+        if failure is not None:  # another rank had a save in flight that this one did not
+            raise CheckpointError(f"an asynchronous checkpoint save failed on {failure}")
 
     def _meet(self, call: str) -> None:
         """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
@@ -184,9 +231,17 @@ class Checkpointer:
         *,
         epoch: int = 0,
         extra: Mapping[str, Any] | None = None,
+        blocking: bool | None = None,
         **objects: Any,
     ) -> Path:
         """Write a checkpoint for ``step``; call on every rank.
+
+        With ``blocking=False`` the save is asynchronous: it returns once a copy of the state is
+        in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the checkpoint
+        directory appears when every rank has written. The next ``save()``, :meth:`wait`,
+        ``restore()``, the end of the process and a SIGTERM wait for it; an error in the write is
+        raised by the next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only
+        once it is on disk, raising any error itself.
 
         Args:
             step: the step to resume at (typically the number of optimizer steps done).
@@ -194,9 +249,11 @@ class Checkpointer:
             extra: your own plain values (numbers, strings, tensors, lists, dicts).
             **objects: name -> object with ``state_dict()``, e.g. ``model=model``; one with
                 ``sharded_state_dict()`` is written one piece per rank (see ``sharded``).
+            blocking: write before returning (``False``: in a background thread); ``None``:
+                the ``blocking`` given to the constructor (``True`` unless told otherwise).
 
         Returns:
-            The directory of the new checkpoint.
+            The directory of the new checkpoint (asynchronous: where it will appear).
 
         Raises:
             CheckpointError: on every rank, naming the rank and file, if any rank could not
@@ -204,8 +261,13 @@ class Checkpointer:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if blocking is None:
+            blocking = self.blocking
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
+        self._settle()
         rank, world = self._rank_and_world()
         final = self.directory / dir_name(step)
         staging = staging_dir(final)
@@ -220,16 +282,30 @@ class Checkpointer:
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
         writers = shard_writers([objects[name] for name in sharded], self._gather)  # replicas skip
 
-        def write() -> None:
-            write_rank_files(staging, rank, world, step, epoch, extra, objects, sharded, writers)
+        def collect() -> dict[str, Any]:
+            files = collect_rank_files(rank, world, step, epoch, extra, objects, sharded, writers)
+            return files if blocking else self._snapshot.take(files)
 
         def drop_staging() -> None:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
 
-        self._agree(f"saving checkpoint {final}", self._attempt(write)[1], drop_staging)
-        files = checkpoint_files(world, writers)
-        error = self._attempt(lambda: self._publish(staging, final, files))[1] if rank == 0 else None
+        files, error = self._attempt(collect)
+        if blocking and not error:
+            error = self._attempt(lambda: write_files(staging, files))[1]
+        # A state that cannot be saved is reported now, asynchronous or not.
+        self._agree(f"saving checkpoint {final}", error, drop_staging)
+        if not blocking:
+            finish_on_sigterm()
+            publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
+            self._pending = BackgroundSave(
+                staging, final, rank, world, files, publish_all,
+                self.timeout.total_seconds(), self._attempt,
+            )
+            return final
+        files_list = checkpoint_files(world, writers)
+        error = (self._attempt(lambda: self._publish(staging, final, files_list))[1]
+                 if rank == 0 else None)
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if rank == 0:
             logger.info("saved checkpoint %s", final)
@@ -247,6 +323,8 @@ class Checkpointer:
 
         Needs no other rank (no collectives), so it can be called anywhere.
         """
+        if self._pending is not None:
+            self._pending.join()  # its error is raised by the next collective call
         found = self._intact.newest(self.directory)
         return found[0] if found else None
 
@@ -270,6 +348,7 @@ class Checkpointer:
         """
         self._meet("restore()")
         self._check_agreement("restore()")
+        self._settle()
         rank = self._rank_and_world()[0]
         found, error = self._attempt(self._find) if rank == 0 else (None, None)
         choice, error = self._gather((found[0].name if found else None, error))[0]

@@ -18,7 +18,14 @@ from lockstep.checkpoint.io import check_loadable, encode, fsync_dir, write_atom
 from lockstep.checkpoint.sharded import shard_file
 from lockstep.checkpoint.state import capture_rng, object_state
 
-__all__ = ["prepare_staging", "publish", "staging_dir", "write_rank_files"]
+__all__ = [
+    "collect_rank_files",
+    "prepare_staging",
+    "publish",
+    "staging_dir",
+    "write_files",
+    "write_rank_files",
+]
 
 _STAGING_PREFIX = ".staging-"
 _REPLACED_PREFIX = ".replaced-"
@@ -46,6 +53,56 @@ def prepare_staging(directory: Path, staging: Path) -> None:
     staging.mkdir()
 
 
+def collect_rank_files(
+    rank: int,
+    world: int,
+    step: int,
+    epoch: int,
+    extra: Mapping[str, Any] | None,
+    objects: Mapping[str, Any],
+    sharded: list[str],
+    writers: list[int],
+) -> dict[str, Any]:
+    """This rank's files, by name, as the objects to encode: ``state.pt`` (rank 0), its shard
+    file, its RNG states. The values still reference the live tensors (see ``snapshot.py``).
+
+    Args:
+        rank: this rank; world: the number of ranks saving.
+        step: the step to resume at; epoch: the current epoch.
+        extra: the user's plain values (``None``: none).
+        objects: name -> object, as passed to ``save``.
+        sharded: the names of the objects written one piece per rank.
+        writers: the ranks that write a shard file (``lockstep.checkpoint.sharded.shard_writers``).
+
+    Raises:
+        TypeError: something weights-only loading would refuse, named by its path.
+    """
+    files: dict[str, Any] = {}
+    if rank == 0:
+        meta = {"format": FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
+                "sharded": sharded, "shard_ranks": writers}
+        whole = {n: o for n, o in objects.items() if n not in sharded}
+        payload: dict[str, Any] = {"meta": meta, "extra": dict(extra or {}), "objects": {}}
+        for name, obj in whole.items():
+            payload["objects"][name] = object_state(name, obj)
+        check_loadable(payload["extra"], "extra")
+        for name, state in payload["objects"].items():
+            check_loadable(state, f"{name}.state_dict()")
+        files[STATE_FILE] = payload
+    if rank in writers:
+        pieces = {name: objects[name].sharded_state_dict() for name in sharded}
+        check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
+        files[shard_file(rank)] = pieces
+    files[rng_file(rank)] = capture_rng()
+    return files
+
+
+def write_files(staging: Path, files: Mapping[str, Any]) -> None:
+    """Encode (checksummed) and write each of ``files`` into ``staging`` atomically."""
+    for name, content in files.items():
+        write_atomic(staging / name, encode(content))
+
+
 def write_rank_files(
     staging: Path,
     rank: int,
@@ -57,37 +114,10 @@ def write_rank_files(
     sharded: list[str],
     writers: list[int],
 ) -> None:
-    """Write this rank's files: ``state.pt`` (rank 0), its shard file, its RNG states.
-
-    Args:
-        staging: the staging directory.
-        rank: this rank; world: the number of ranks saving.
-        step: the step to resume at; epoch: the current epoch.
-        extra: the user's plain values (``None``: none).
-        objects: name -> object, as passed to ``save``.
-        sharded: the names of the objects written one piece per rank.
-        writers: the ranks that write a shard file (``lockstep.checkpoint.sharded.shard_writers``).
-    """
-    if rank == 0:
-        meta = {"format": FORMAT, "step": step, "epoch": int(epoch), "world_size": world,
-                "sharded": sharded, "shard_ranks": writers}
-        whole = {n: o for n, o in objects.items() if n not in sharded}
-        _write_state(staging, meta, dict(extra or {}), whole)
-    if rank in writers:
-        pieces = {name: objects[name].sharded_state_dict() for name in sharded}
-        check_loadable(pieces, f"rank {rank}'s sharded_state_dict()")
-        write_atomic(staging / shard_file(rank), encode(pieces))
-    write_atomic(staging / rng_file(rank), encode(capture_rng()))
-
-
-def _write_state(staging: Path, meta: dict, extra: dict, objects: Mapping[str, Any]) -> None:
-    payload: dict[str, Any] = {"meta": meta, "extra": extra, "objects": {}}
-    for name, obj in objects.items():
-        payload["objects"][name] = object_state(name, obj)
-    check_loadable(extra, "extra")
-    for name, state in payload["objects"].items():
-        check_loadable(state, f"{name}.state_dict()")
-    write_atomic(staging / STATE_FILE, encode(payload))
+    """Write this rank's files into ``staging`` now (see :func:`collect_rank_files`)."""
+    write_files(
+        staging, collect_rank_files(rank, world, step, epoch, extra, objects, sharded, writers)
+    )
 
 
 def publish(directory: Path, staging: Path, final: Path) -> None:

@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--marker", default="", help="file that says the kill already happened")
+    parser.add_argument("--async-save", action="store_true", help="Checkpointer(blocking=False)")
     parser.add_argument("--model", choices=["small", "blocks"], default="small",
                         help="blocks: residual blocks in several small buckets (layout matters)")
     return parser.parse_args()
@@ -77,7 +78,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     torch.manual_seed(100 + info.rank)
 
-    ckpt = lockstep.Checkpointer(args.ckpt, keep=2)
+    ckpt = lockstep.Checkpointer(args.ckpt, keep=2, blocking=not args.async_save)
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     resumed = ckpt.restore(**objects)  # the whole of the resume logic
     step, start_epoch = (resumed.step, resumed.epoch) if resumed else (0, 0)

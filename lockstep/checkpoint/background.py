@@ -1,0 +1,170 @@
+"""The disk half of an asynchronous save: encode, checksum, fsync and publish in a thread.
+
+Each rank's thread writes its files into the staging directory, then leaves a marker there
+(``.written-rank00001``, or ``.failed-rank00001`` holding the error). Rank 0's thread waits
+for every other rank's marker, removes the markers and publishes (one rename), so ranks need no
+collective while the loop trains: the process group stays the loop's alone. A failure is kept
+and raised, on every rank, by the next ``save()``/``restore()``/``wait()``; the staging
+directory is then dropped, and the previous checkpoint is untouched, as with a blocking save.
+
+The thread is not a daemon: a process that returns from ``main`` right after ``save()`` finishes
+the write before it exits. :func:`finish_on_sigterm` makes a SIGTERM (what the launcher sends to
+stop workers) wait for it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lockstep.checkpoint.writing import write_files
+
+__all__ = ["BackgroundSave", "finish_on_sigterm"]
+
+logger = logging.getLogger(__name__)
+
+_WRITTEN = ".written-rank"
+_FAILED = ".failed-rank"
+_POLL_S = 0.005
+# After a SIGTERM, rank 0 waits this long at most for the other ranks' files: they are being
+# stopped too and finish their own writes first, but one that died will never write them.
+_PEERS_AFTER_SIGTERM_S = 10.0
+
+
+def _marker(prefix: str, rank: int) -> str:
+    return f"{prefix}{rank:05d}"
+
+
+class BackgroundSave:
+    """One rank's write of one checkpoint, running in a thread.
+
+    Args:
+        staging: the staging directory (created by rank 0 before the save returned).
+        final: the checkpoint directory it becomes.
+        rank: this rank; world: the number of ranks saving.
+        files: file name -> snapshot to encode (``snapshot.Snapshot.take``).
+        publish: called by rank 0 once every rank has written (rename and prune).
+        timeout: seconds rank 0 waits for the other ranks' markers.
+        attempt: runs a callable and returns ``(result, error message or None)``.
+    """
+
+    def __init__(
+        self,
+        staging: Path,
+        final: Path,
+        rank: int,
+        world: int,
+        files: Mapping[str, Any],
+        publish: Callable[[], None],
+        timeout: float,
+        attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
+    ) -> None:
+        self.staging, self.final, self.rank, self.world = staging, final, rank, world
+        self._files, self._publish, self._attempt = files, publish, attempt
+        self.error: str | None = None  # "rank r: message" of the first failure seen here
+        self._deadline = time.monotonic() + timeout  # for rank 0's wait for the other ranks
+        self._thread = threading.Thread(
+            target=self._run, name=f"lockstep-checkpoint-{final.name}", daemon=False
+        )
+        _PENDING.add(self)
+        self._thread.start()
+
+    def hurry(self, seconds: float) -> None:
+        """Wait at most ``seconds`` more for the other ranks (the process is being stopped)."""
+        self._deadline = min(self._deadline, time.monotonic() + seconds)
+
+    def join(self) -> str | None:
+        """Wait for the write (and, on rank 0, the publish); the error seen here, if any."""
+        self._thread.join()
+        return self.error
+
+    def _run(self) -> None:
+        _, error = self._attempt(lambda: write_files(self.staging, self._files))
+        self._files = {}  # the snapshot's buffers stay with the Snapshot for the next save
+        if self.rank != 0:
+            self._leave_marker(error)
+            if error:
+                self.error = f"rank {self.rank}: {error}"
+            return
+        if error:
+            self.error = f"rank 0: {error}"
+        else:
+            self.error = self._wait_for_peers()
+        if self.error is None:
+            _, error = self._attempt(self._publish_now)
+            self.error = f"rank 0: {error}" if error else None
+        if self.error is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        else:
+            logger.info("saved checkpoint %s", self.final)
+
+    def _leave_marker(self, error: str | None) -> None:
+        name = _marker(_FAILED, self.rank) if error else _marker(_WRITTEN, self.rank)
+        tmp = self.staging / f"{name}.tmp"
+        try:
+            try:
+                tmp.write_text(error or "")
+            except OSError:  # e.g. the disk is full: an empty marker still says "failed"
+                tmp.unlink(missing_ok=True)
+                tmp.touch()
+            os.replace(tmp, self.staging / name)
+        except OSError as exc:  # rank 0 then times out naming this rank
+            logger.warning("rank %d could not mark its checkpoint files written: %s",
+                           self.rank, exc)
+
+    def _wait_for_peers(self) -> str | None:
+        waiting = set(range(1, self.world))
+        while waiting:
+            for rank in sorted(waiting):
+                failed = self.staging / _marker(_FAILED, rank)
+                if failed.exists():
+                    told = failed.read_text() or "could not write its files"
+                    return f"rank {rank}: {told}"
+                if (self.staging / _marker(_WRITTEN, rank)).exists():
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > self._deadline:
+                return (
+                    f"rank 0: rank(s) {sorted(waiting)} did not finish writing their files into "
+                    f"{self.staging} in time (died, or the directory is not shared between the "
+                    "ranks)"
+                )
+            if waiting:
+                time.sleep(_POLL_S)
+        return None
+
+    def _publish_now(self) -> None:
+        for rank in range(1, self.world):
+            (self.staging / _marker(_WRITTEN, rank)).unlink(missing_ok=True)
+        self._publish()
+
+
+_PENDING: weakref.WeakSet[BackgroundSave] = weakref.WeakSet()
+
+
+def finish_on_sigterm() -> None:
+    """On SIGTERM, finish the writes in flight, then die of SIGTERM as before.
+
+    Installed only from the main thread and only over the default handler, so a handler of the
+    user's (or torch's elastic agent) is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        for pending in list(_PENDING):
+            pending.hurry(_PEERS_AFTER_SIGTERM_S)
+            pending.join()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
