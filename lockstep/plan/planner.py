@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
@@ -64,7 +65,7 @@ class Plan:
 
 def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
          strategies: Sequence[Strategy | str] | str | None = None,
-         options: PlanOptions | None = None) -> Plan:
+         options: PlanOptions | None = None, intervals: bool = False) -> Plan:
     """Predict each strategy at each GPU count; the fastest exact strategy that fits is best.
 
     Args:
@@ -73,6 +74,10 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
         gpus: GPU counts to predict.
         strategies: names or :class:`Strategy` objects; default ``ddp, ddp-bf16, zero1, zero2,
             zero3, localsgd:8, dp``.
+        intervals: predict each point at the expected inputs with a low-high range
+            (:func:`~lockstep.plan.intervals.predict_interval`: achievable link bandwidth per
+            transport, per-message cost, the wait for the slowest rank) and choose the best
+            strategy on the pessimistic end; ``False``: the line-rate lower bound of the step.
     """
     options = options or PlanOptions()
     if not gpus or any(int(n) < 1 for n in gpus):
@@ -87,13 +92,32 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
                   for s in strategies]
     predictions: list[Prediction] = []
     for n in sorted({int(n) for n in gpus}):
-        row = [p for s in chosen if (p := predict(workload, topology, n, s, options)) is not None]
+        if intervals:
+            row = [_with_range(i) for s in chosen
+                   if (i := predict_interval(workload, topology, n, s, options)) is not None]
+        else:
+            row = [p for s in chosen
+                   if (p := predict(workload, topology, n, s, options)) is not None]
         ranked = [p for p in row if p.fits and p.exact] or [p for p in row if p.fits]
         if ranked:
-            top = max(ranked, key=lambda p: p.samples_per_s)
+            top = max(ranked, key=_pessimistic_rate)
             row = [_marked(p) if p is top else p for p in row]
         predictions.extend(row)
     return Plan(workload, topology, predictions, _assumptions(workload, topology, options))
+
+
+def _pessimistic_rate(p: Prediction) -> float:
+    """Samples/s at the slow end of the range (the point itself when there is no range)."""
+    return p.samples_per_s * p.step_s / p.detail.get("step_high_s", p.step_s)
+
+
+def _with_range(i: Interval) -> Prediction:
+    from dataclasses import replace
+
+    detail = dict(i.expected.detail, step_low_s=i.step_low_s, step_high_s=i.step_high_s,
+                  efficiency_low=i.efficiency_low, efficiency_high=i.efficiency_high,
+                  dominant_input=i.dominant)
+    return replace(i.expected, detail=detail)
 
 
 def _marked(p: Prediction) -> Prediction:
