@@ -39,11 +39,11 @@ def busbw(row: dict, bound: str | None, table: dict[str, Transport] | None = Non
 def held_out_table(facts: list[dict], source: str | None) -> dict[str, Transport]:
     """The transports with each efficiency range rebuilt from the facts of the other sources."""
     table = dict(TRANSPORTS)
-    for name in table:
+    for name, transport in TRANSPORTS.items():
         values = sorted(v for f in facts if f["transport"] == name and f["source"] != source
                         for v in f["efficiency"])
         if values:
-            table[name] = replace(table[name], efficiency=(
+            table[name] = replace(transport, efficiency=(
                 values[0], statistics.median(values), values[-1]))
     return table
 
