@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.stragglers import DEFAULT_CV
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
 from lockstep.plan.workload import Workload
 
@@ -103,7 +104,28 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
             top = max(ranked, key=_pessimistic_rate)
             row = [_marked(p) if p is top else p for p in row]
         predictions.extend(row)
-    return Plan(workload, topology, predictions, _assumptions(workload, topology, options))
+    assumptions = _assumptions(workload, topology, options)
+    not_modelled: tuple[str, ...] = NOT_MODELLED
+    if intervals:
+        assumptions += _ranged_assumptions(workload, options)
+        not_modelled = tuple(n for n in NOT_MODELLED if not n.startswith("stragglers"))
+    return Plan(workload, topology, predictions, assumptions, not_modelled)
+
+
+def _ranged_assumptions(workload: Workload, options: PlanOptions) -> list[str]:
+    cv = options.step_cv if options.step_cv is not None else workload.step_cv
+    spread = (f"{cv:.1%} (given)" if options.step_cv is not None else
+              f"{cv:.1%} (from the profile's ranks)" if cv is not None else
+              f"{DEFAULT_CV[0]:.1%}-{DEFAULT_CV[2]:.1%}, expected {DEFAULT_CV[1]:.1%} (a stated "
+              "default: the profile has one rank)")
+    return [
+        ("intervals: preset links at their transport's achievable bandwidth (TCP sockets, RDMA, "
+         "NVLink, PCIe; ranges cited in docs/plan.md) plus a per-message cost; the point is the "
+         "expected inputs, the range every input at its optimistic and pessimistic end; the "
+         "best strategy is chosen on the pessimistic end"),
+        (f"the step waits for the slowest of N ranks: compute x spread x E[max of N normals], "
+         f"spread {spread}"),
+    ]
 
 
 def _pessimistic_rate(p: Prediction) -> float:
