@@ -32,7 +32,7 @@ def busbw(row: dict, bound: str | None, table: dict[str, Transport] | None = Non
     if bound is not None:
         topo, pm = achievable(topo, bound, table)
     n, size = row["ranks"], row["bytes"]
-    t = collective(ALL_REDUCE, size, n, topo).seconds + pm
+    t = collective(ALL_REDUCE, size, n, topo, hierarchical=bound is None).seconds + pm
     return size / t * 2 * (n - 1) / n
 
 

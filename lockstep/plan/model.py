@@ -110,8 +110,12 @@ class Prediction:
 
 def collective(kind: str, nbytes: float, world: int, topo: Topology,
                per_message: float = 0.0) -> Cost:
-    """:func:`lockstep.plan.costs.collective` plus a fixed cost per message (its latency term)."""
-    c = _plain_collective(kind, nbytes, world, topo)
+    """:func:`lockstep.plan.costs.collective` plus a fixed cost per message (its latency term).
+
+    With a per-message cost (a transport-aware prediction) only NCCL's own algorithms, ring and
+    tree, are candidates: NCCL has no hierarchical all-reduce (docs/plan.md, "published").
+    """
+    c = _plain_collective(kind, nbytes, world, topo, hierarchical=per_message <= 0)
     if per_message <= 0 or c.seconds <= 0:
         return c
     return Cost(c.seconds + per_message, c.latency_s + per_message, c.bandwidth_s, c.algorithm,
