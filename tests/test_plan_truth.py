@@ -125,3 +125,29 @@ def test_best_is_chosen_on_the_pessimistic_end():
     assert best[0].strategy == max(worst, key=lambda k: worst[k])
     assert "eff " in result.table() and "range from" in result.table()
     assert "efficiency_low" in result.to_dict()["predictions"][0]["detail"]
+
+
+def test_nccl_algorithms_only_bound_ring_by_the_node_ports():
+    from lockstep.plan.costs import ALL_REDUCE, collective
+
+    topo = parse_topology("nvlink3:8,ib-hdr200x4")  # 4 x 25 GB/s leave each node
+    size, n = 2**30, 16
+    with_hier = collective(ALL_REDUCE, size, n, topo)
+    nccl = collective(ALL_REDUCE, size, n, topo, hierarchical=False)
+    assert with_hier.algorithm == "hierarchical" and nccl.algorithm in ("ring", "tree")
+    busbw = size / nccl.seconds * 2 * (n - 1) / n
+    assert busbw <= topo.node_bandwidth() * 1.0001  # a ring crosses the node through its NICs
+    assert size / with_hier.seconds * 2 * (n - 1) / n > topo.node_bandwidth()
+
+
+def test_published_rows_carry_their_citation():
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+                      / "busbw.json").read_text())
+    for row in doc["rows"]:
+        assert row["url"].startswith("https://") and row["quote"] and row["user_knew"]
+        parse_topology(row["link"])  # what a user would pass to --link
+    sources = {f["source"] for f in doc["calibration"]["facts"]}
+    assert sources <= {r["source"] for r in doc["rows"]} | {"NVIDIA/nccl#209"}
