@@ -151,3 +151,24 @@ def test_published_rows_carry_their_citation():
         parse_topology(row["link"])  # what a user would pass to --link
     sources = {f["source"] for f in doc["calibration"]["facts"]}
     assert sources <= {r["source"] for r in doc["rows"]} | {"NVIDIA/nccl#209"}
+
+
+def test_profile_per_rank_phases_give_the_spread(tmp_path):
+    import json
+
+    from lockstep.plan import load_profile
+
+    doc = {"format": "lockstep-profile", "version": 1, "world_size": 2, "device": "cpu",
+           "batch_size_per_rank": 8, "steps": 10,
+           "model": {"parameters": 1000, "dtype": "float32"},
+           "phases": {"data": 0.0, "forward": 0.01, "backward": 0.02, "optimizer": 0.0,
+                      "exposed_comm": 0.0, "step": 0.03},
+           "per_rank": [{"rank": 0, "phases": {"forward": 0.009, "backward": 0.018}},
+                        {"rank": 1, "phases": {"forward": 0.011, "backward": 0.022}}]}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    w = load_profile(str(path))
+    assert w.step_cv == pytest.approx(spread_of([0.027, 0.033]))
+    doc.pop("per_rank")
+    path.write_text(json.dumps(doc))
+    assert load_profile(str(path)).step_cv is None
