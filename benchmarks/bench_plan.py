@@ -100,8 +100,8 @@ def main() -> None:
     print("\n| model | world | link | alpha us | beta GB/s (rounds) | measured step ms "
           "| predicted ms | error | predicted, shared cores | error | shared cores, co-run profile "
           "| error | predicted buffer bcast ms | measured exposed ms | predicted exposed ms "
-          "(plain / shared cores) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(plain / shared cores) | interval ms | covers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         build, batch, loss = CASES[name]
         doctor = profile_world1(build, batch, loss, steps=args.steps, batch_size=BATCH)
@@ -131,6 +131,7 @@ def main() -> None:
                            predict_throttled_shared(beside, real, throttle, world, cores)[0])
                 ms = got["step_s"]
                 lo, hi = sweep.spread()["beta"]
+                interval = cpu_interval(doctor, beside, real, throttle, world, cores, lo, hi)
                 print(f"| {name} | {world} | {label} | {real.alpha * 1e6:.0f} "
                       f"| {real.beta / 1e9:.2f} ({lo / 1e9:.2f}-{hi / 1e9:.2f}) | {ms * 1e3:.1f} "
                       f"| {pred.step_s * 1e3:.1f} | {(pred.step_s / ms - 1) * 100:+.0f}% "
@@ -138,7 +139,35 @@ def main() -> None:
                       f"| {co_step * 1e3:.1f} | {(co_step / ms - 1) * 100:+.0f}% "
                       f"| {pred.detail['buffer_broadcast_s'] * 1e3:.2f} "
                       f"| {got['exposed_s'] * 1e3:.1f} | {pred.exposed_comm_s * 1e3:.1f} / "
-                      f"{shared_exposed * 1e3:.1f} |", flush=True)
+                      f"{shared_exposed * 1e3:.1f} "
+                      f"| {interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f} "
+                      f"| {'yes' if interval[0] <= ms <= interval[1] else 'NO'} |", flush=True)
+
+
+def cpu_interval(doctor, beside, real, throttle, world: int, cores: int, beta_lo: float,
+                 beta_hi: float) -> tuple[float, float]:
+    """(low, high) step seconds of the shared-cores prediction over its inputs' ranges: the
+    link's beta over the sweep's rounds, the profile's compute (alone vs beside co-runners),
+    and the wait for the slowest rank (stragglers.DEFAULT_CV's high end; the profiles have one
+    rank, so no measured spread)."""
+    from dataclasses import replace
+
+    from lockstep.plan.stragglers import DEFAULT_CV, straggler_delay
+
+    def step(profile, beta: float) -> tuple[float, float]:
+        link = replace(real, beta=beta)
+        if throttle is None:
+            p = predict_ddp(profile, link, world, cpu_cores=cores)
+            return p.step_s, p.detail["forward_s"] + p.detail["backward_s"] + p.detail[
+                "optimizer_s"]
+        s, _ = predict_throttled_shared(profile, link, throttle, world, cores)
+        p = predict_ddp(profile, link, world)
+        return s, p.detail["forward_s"] + p.detail["backward_s"] + p.detail["optimizer_s"]
+
+    fast = [step(p, beta_hi)[0] for p in (doctor, beside)]
+    slow = [step(p, beta_lo) for p in (doctor, beside)]
+    high = max(s + straggler_delay(c, world, DEFAULT_CV[2]) for s, c in slow)
+    return min(fast), high
 
 
 if __name__ == "__main__":

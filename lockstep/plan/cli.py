@@ -46,7 +46,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="INTRA[:GPUS_PER_NODE][,INTER[xNICS]], presets or ALPHA@BW, e.g. "
                         "nvlink4:8,ib-ndr400 (default), pcie4:4,roce25x1, measured:8,eth100")
     parser.add_argument("--link-efficiency", type=float, default=1.0,
-                        help="share of the line rate the collectives achieve (default 1.0)")
+                        help="share of the line rate the collectives achieve; given, it replaces "
+                        "the transports' achievable-bandwidth ranges (and the intervals)")
+    parser.add_argument("--no-intervals", action="store_true",
+                        help="the line-rate lower bound only (no transport efficiency, no wait "
+                        "for the slowest rank, no ranges)")
     parser.add_argument("--measure-link", action="store_true",
                         help="measure this machine's all-reduce alpha/beta first (name: measured)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for --measure-link (default 2)")
@@ -126,7 +130,8 @@ def run_plan(args: argparse.Namespace) -> int:
             mixed_precision=None if args.precision == "auto" else args.precision == "mixed",
             gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None,
             cpu_cores=args.cpu_cores)
-        result = plan(workload, topology, args.gpus, args.strategies, options)
+        ranged = not args.no_intervals and args.link_efficiency == 1.0
+        result = plan(workload, topology, args.gpus, args.strategies, options, intervals=ranged)
     except (ValueError, OSError) as err:
         print(f"lockstep plan: error: {err}", file=sys.stderr)
         return 2

@@ -123,7 +123,8 @@ def _flat_link(world: int, topo: Topology) -> Link:
     return Link(across.name, max(across.alpha, topo.intra.alpha), beta)
 
 
-def collective(kind: str, nbytes: float, world: int, topo: Topology) -> Cost:
+def collective(kind: str, nbytes: float, world: int, topo: Topology,
+               hierarchical: bool = True) -> Cost:
     """The cheapest ring, tree or hierarchical schedule of ``kind`` over ``world`` ranks.
 
     Args:
@@ -131,6 +132,9 @@ def collective(kind: str, nbytes: float, world: int, topo: Topology) -> Cost:
         nbytes: bytes per rank before the collective (for all-gather: the gathered total; for
             broadcast: the message).
         world: number of ranks, filling nodes of ``topo.gpus_per_node`` in order.
+        hierarchical: also consider the hierarchical schedule. NCCL has no such algorithm (its
+            tuner picks ring or tree; rings cross each node through its NICs, so their bus
+            bandwidth is at most the node's port bandwidth): ``False`` prices what NCCL runs.
     """
     if world <= 1 or nbytes <= 0:
         return Cost.zero()
@@ -151,7 +155,7 @@ def collective(kind: str, nbytes: float, world: int, topo: Topology) -> Cost:
     else:
         raise ValueError(f"unknown collective {kind!r}: use all_reduce, reduce_scatter, "
                          "all_gather or broadcast")
-    if nodes > 1 and per_node > 1:
+    if hierarchical and nodes > 1 and per_node > 1:
         candidates.append(_hierarchical(kind, nbytes, per_node, nodes, topo))
     return min(candidates, key=lambda c: c.seconds)
 

@@ -75,6 +75,7 @@ PRESETS: dict[str, Link] = {
         Link("pcie3", 5e-6, 15.75e9, "PCI-SIG PCIe 3.0: 8 GT/s x16"),
         Link("pcie4", 5e-6, 31.5e9, "PCI-SIG PCIe 4.0: 16 GT/s x16"),
         Link("pcie5", 5e-6, 63e9, "PCI-SIG PCIe 5.0: 32 GT/s x16"),
+        Link("ib-edr100", 5e-6, _gbit(100), "InfiniBand EDR: 4x 25 Gb/s lanes, 100 Gb/s"),
         Link("ib-hdr200", 5e-6, _gbit(200), "NVIDIA ConnectX-6: HDR 200 Gb/s"),
         Link("ib-ndr400", 5e-6, _gbit(400), "NVIDIA ConnectX-7: NDR 400 Gb/s"),
         Link("roce25", 8e-6, _gbit(25), "25 GbE RoCE (IEEE 802.3by)"),
@@ -87,6 +88,7 @@ PRESETS: dict[str, Link] = {
     ]
 }
 _ALIASES = {"ib-hdr": "ib-hdr200", "ib-ndr": "ib-ndr400", "hdr": "ib-hdr200", "ndr": "ib-ndr400",
+            "edr": "ib-edr100",
             "nvlink": "nvlink4"}
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}

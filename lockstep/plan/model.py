@@ -13,6 +13,7 @@ all-reduce is exposed however fast the rest is -- the first-bucket effect. See d
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockstep.plan.costs import (
@@ -21,12 +22,14 @@ from lockstep.plan.costs import (
     BROADCAST,
     REDUCE_SCATTER,
     Cost,
-    collective,
     point_to_point,
 )
+from lockstep.plan.costs import collective as _plain_collective
 from lockstep.plan.links import Topology
 from lockstep.plan.memory import Memory, model_state_memory
+from lockstep.plan.stragglers import DEFAULT_CV, straggler_delay
 from lockstep.plan.strategies import Strategy
+from lockstep.plan.transports import BOUNDS, Transport, achievable
 from lockstep.plan.workload import DTYPE_BYTES, Workload
 
 __all__ = ["PlanOptions", "Prediction", "buffer_broadcast", "predict", "simulate_buckets"]
@@ -51,6 +54,15 @@ class PlanOptions:
             rank the ordinary overlap model stands (measured closer there: docs/plan.md). A collective's CPU work is its latency and bandwidth terms scaled by the
             link's measured ``cpu_share`` (all of it when unknown). ``None``: cores are not
             counted (a device per rank, as with GPUs). Ignored for GPU profiles.
+        bound: ``None`` keeps the line-rate lower bound (links at their stated bandwidth, no
+            stragglers). ``"optimistic"``, ``"expected"`` or ``"pessimistic"`` price preset links
+            at their transport's achievable bandwidth plus a per-message cost
+            (:mod:`lockstep.plan.transports`) and add the wait for the slowest of N ranks
+            (:mod:`lockstep.plan.stragglers`), each input taken at that end of its range.
+        step_cv: spread (std / mean) of one rank's compute time; ``None``: the workload's own
+            (from the profile's per-rank phases) or :data:`~lockstep.plan.stragglers.DEFAULT_CV`
+            at ``bound``. Used only when ``bound`` is set.
+        transports: the transport table (default :data:`~lockstep.plan.transports.TRANSPORTS`).
     """
 
     optimizer: str = "adam"
@@ -58,8 +70,15 @@ class PlanOptions:
     gpu_memory: float | None = None
     codec_bandwidth: float | None = None
     cpu_cores: int | None = None
+    bound: str | None = None
+    step_cv: float | None = None
+    transports: Mapping[str, Transport] | None = None
 
     def __post_init__(self) -> None:
+        if self.bound is not None and self.bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {', '.join(BOUNDS)} or None, got {self.bound!r}")
+        if self.step_cv is not None and self.step_cv < 0:
+            raise ValueError(f"step_cv must be >= 0, got {self.step_cv}")
         if self.cpu_cores is not None and self.cpu_cores < 1:
             raise ValueError(f"cpu_cores must be >= 1 (the cores of one node), got {self.cpu_cores}")
 
@@ -89,6 +108,20 @@ class Prediction:
         return self.exposed_comm_s / self.step_s if self.step_s > 0 else 0.0
 
 
+def collective(kind: str, nbytes: float, world: int, topo: Topology,
+               per_message: float = 0.0) -> Cost:
+    """:func:`lockstep.plan.costs.collective` plus a fixed cost per message (its latency term).
+
+    With a per-message cost (a transport-aware prediction) only NCCL's own algorithms, ring and
+    tree, are candidates: NCCL has no hierarchical all-reduce (docs/plan.md, "published").
+    """
+    c = _plain_collective(kind, nbytes, world, topo, hierarchical=per_message <= 0)
+    if per_message <= 0 or c.seconds <= 0:
+        return c
+    return Cost(c.seconds + per_message, c.latency_s + per_message, c.bandwidth_s, c.algorithm,
+                c.bound_by)
+
+
 def simulate_buckets(ready: list[float], cost: list[float], encode: list[float] | None = None,
                      decode: list[float] | None = None) -> list[tuple[float, float]]:
     """(start, done) of each bucket on one link queue, in launch order.
@@ -112,7 +145,8 @@ def _codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
 
 
 def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Strategy,
-                   options: PlanOptions) -> tuple[float, float, list[Cost], float, float]:
+                   options: PlanOptions, pm: float = 0.0
+                   ) -> tuple[float, float, list[Cost], float, float]:
     """(exposed seconds after backward, link seconds, the costs, last bucket's cost, copy seconds).
 
     Every bucket is copied twice besides its collective: the gradients into the flat bucket
@@ -127,13 +161,13 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
     for b in buckets:
         sent = b.nbytes * strategy.ratio
         if strategy.zero_stage >= 2:
-            c = collective(REDUCE_SCATTER, sent, world, topo)
+            c = collective(REDUCE_SCATTER, sent, world, topo, pm)
             if strategy.zero_stage == 3:  # the parameters are gathered again for backward
-                g = collective(ALL_GATHER, sent, world, topo)
+                g = collective(ALL_GATHER, sent, world, topo, pm)
                 c = Cost(c.seconds + g.seconds, c.latency_s + g.latency_s,
                          c.bandwidth_s + g.bandwidth_s, c.algorithm, c.bound_by)
         else:
-            c = collective(ALL_REDUCE, sent, world, topo)
+            c = collective(ALL_REDUCE, sent, world, topo, pm)
         costs.append(c)
         encode.append((b.nbytes + sent) / _codec_bandwidth(workload, options))
     schedule = simulate_buckets([b.ready for b in buckets], [c.seconds for c in costs],
@@ -144,13 +178,13 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
             2 * sum(encode))
 
 
-def _zero3_forward(workload: Workload, topo: Topology, world: int) -> float:
+def _zero3_forward(workload: Workload, topo: Topology, world: int, pm: float = 0.0) -> float:
     """Forward with parameters gathered chunk by chunk, prefetched on one link queue."""
     chunks = sorted(workload.buckets, key=lambda b: -b.ready)  # forward order: first layers first
     total = sum(b.nbytes for b in chunks) or 1.0
     compute_done = link_done = 0.0
     for b in chunks:
-        link_done += collective(ALL_GATHER, b.nbytes, world, topo).seconds
+        link_done += collective(ALL_GATHER, b.nbytes, world, topo, pm).seconds
         compute_done = max(compute_done, link_done) + workload.forward * b.nbytes / total
     return compute_done
 
@@ -171,19 +205,23 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         mixed = DTYPE_BYTES[workload.grad_dtype] <= 2
     width = 2 if mixed else 4
     param_bytes = workload.parameters * width
-    exposed, link_s, costs, last, copies = _backward_comm(workload, topo, world, strategy, options)
+    pm = 0.0
+    if options.bound is not None:
+        topo, pm = achievable(topo, options.bound, options.transports)
+    exposed, link_s, costs, last, copies = _backward_comm(workload, topo, world, strategy, options,
+                                                          pm)
     forward = workload.forward
     optimizer = workload.optimizer / (world if strategy.zero_stage >= 1 else 1)
-    buffers = (buffer_broadcast(workload, topo, world) if strategy.broadcasts_buffers
+    buffers = (buffer_broadcast(workload, topo, world, pm) if strategy.broadcasts_buffers
                else Cost.zero())
     outside = [buffers]  # communication outside backward, never hidden
     if strategy.zero_stage == 3 and world > 1:
-        forward = _zero3_forward(workload, topo, world)
+        forward = _zero3_forward(workload, topo, world, pm)
     elif strategy.zero_stage in (1, 2) and world > 1:
-        outside.append(collective(ALL_GATHER, param_bytes, world, topo))
+        outside.append(collective(ALL_GATHER, param_bytes, world, topo, pm))
     if strategy.averages_parameters and world > 1:
         # Local SGD / DiLoCo: one all-reduce of the fp32 parameters (or of the change) every H.
-        c = collective(ALL_REDUCE, workload.parameters * 4, world, topo)
+        c = collective(ALL_REDUCE, workload.parameters * 4, world, topo, pm)
         h = strategy.sync_every
         outside.append(Cost(c.seconds / h, c.latency_s / h, c.bandwidth_s / h, c.algorithm,
                             c.bound_by))
@@ -195,8 +233,10 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     extra = sum(c.seconds for c in outside)
     link_s += extra
     exposed_total = exposed + extra + (forward - workload.forward)
+    wait = _straggler_wait(workload, world, options)
+    exposed_total += wait
     step = (workload.data + forward + workload.backward + exposed + optimizer + extra
-            + workload.other)
+            + workload.other + wait)
     shared = _shared_cores(workload, options, per_node, step - exposed_total - workload.data,
                            _cpu_work(costs + outside, topo) + copies)
     if shared is not None and shared > step:
@@ -220,18 +260,31 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         detail={"forward_s": forward, "backward_s": workload.backward, "optimizer_s": optimizer,
                 "data_s": workload.data, "other_s": workload.other, "exposed_after_backward_s": exposed,
                 "outside_backward_s": extra, "last_bucket_s": last,
-                "buffer_broadcast_s": buffers.seconds},
+                "buffer_broadcast_s": buffers.seconds, "straggler_s": wait,
+                "per_message_s": pm},
     )
 
 
-def buffer_broadcast(workload: Workload, topo: Topology, world: int) -> Cost:
+def _straggler_wait(workload: Workload, world: int, options: PlanOptions) -> float:
+    """The wait for the slowest of ``world`` ranks (0 without ``options.bound``)."""
+    if options.bound is None or world <= 1:
+        return 0.0
+    cv = options.step_cv
+    if cv is None:
+        cv = workload.step_cv if workload.step_cv is not None else (
+            DEFAULT_CV[BOUNDS.index(options.bound)])
+    return straggler_delay(workload.compute, world, cv)
+
+
+def buffer_broadcast(workload: Workload, topo: Topology, world: int,
+                     pm: float = 0.0) -> Cost:
     """DDP's broadcast of rank 0's buffers before every forward: one collective per message.
 
     Every rank waits for it before its forward starts, so nothing hides it.
     """
     total = Cost.zero()
     for nbytes in workload.buffer_broadcasts:
-        c = collective(BROADCAST, nbytes, world, topo)
+        c = collective(BROADCAST, nbytes, world, topo, pm)
         if c.seconds > 0:
             total = Cost(total.seconds + c.seconds, total.latency_s + c.latency_s,
                          total.bandwidth_s + c.bandwidth_s, f"{c.algorithm} bcast", c.bound_by)

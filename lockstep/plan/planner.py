@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.stragglers import DEFAULT_CV
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
 from lockstep.plan.workload import Workload
 
@@ -64,7 +66,7 @@ class Plan:
 
 def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
          strategies: Sequence[Strategy | str] | str | None = None,
-         options: PlanOptions | None = None) -> Plan:
+         options: PlanOptions | None = None, intervals: bool = False) -> Plan:
     """Predict each strategy at each GPU count; the fastest exact strategy that fits is best.
 
     Args:
@@ -73,6 +75,10 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
         gpus: GPU counts to predict.
         strategies: names or :class:`Strategy` objects; default ``ddp, ddp-bf16, zero1, zero2,
             zero3, localsgd:8, dp``.
+        intervals: predict each point at the expected inputs with a low-high range
+            (:func:`~lockstep.plan.intervals.predict_interval`: achievable link bandwidth per
+            transport, per-message cost, the wait for the slowest rank) and choose the best
+            strategy on the pessimistic end; ``False``: the line-rate lower bound of the step.
     """
     options = options or PlanOptions()
     if not gpus or any(int(n) < 1 for n in gpus):
@@ -87,13 +93,53 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
                   for s in strategies]
     predictions: list[Prediction] = []
     for n in sorted({int(n) for n in gpus}):
-        row = [p for s in chosen if (p := predict(workload, topology, n, s, options)) is not None]
+        if intervals:
+            row = [_with_range(i) for s in chosen
+                   if (i := predict_interval(workload, topology, n, s, options)) is not None]
+        else:
+            row = [p for s in chosen
+                   if (p := predict(workload, topology, n, s, options)) is not None]
         ranked = [p for p in row if p.fits and p.exact] or [p for p in row if p.fits]
         if ranked:
-            top = max(ranked, key=lambda p: p.samples_per_s)
+            top = max(ranked, key=_pessimistic_rate)
             row = [_marked(p) if p is top else p for p in row]
         predictions.extend(row)
-    return Plan(workload, topology, predictions, _assumptions(workload, topology, options))
+    assumptions = _assumptions(workload, topology, options)
+    not_modelled: tuple[str, ...] = NOT_MODELLED
+    if intervals:
+        assumptions += _ranged_assumptions(workload, options)
+        not_modelled = tuple(n for n in NOT_MODELLED if not n.startswith("stragglers"))
+    return Plan(workload, topology, predictions, assumptions, not_modelled)
+
+
+def _ranged_assumptions(workload: Workload, options: PlanOptions) -> list[str]:
+    cv = options.step_cv if options.step_cv is not None else workload.step_cv
+    spread = (f"{cv:.1%} (given)" if options.step_cv is not None else
+              f"{cv:.1%} (from the profile's ranks)" if cv is not None else
+              f"{DEFAULT_CV[0]:.1%}-{DEFAULT_CV[2]:.1%}, expected {DEFAULT_CV[1]:.1%} (a stated "
+              "default: the profile has one rank)")
+    return [
+        ("intervals: preset links at their transport's achievable bandwidth (TCP sockets, RDMA, "
+         "NVLink, PCIe; ranges cited in docs/plan.md) plus a per-message cost; the point is the "
+         "expected inputs, the range every input at its optimistic and pessimistic end; the "
+         "best strategy is chosen on the pessimistic end"),
+        (f"the step waits for the slowest of N ranks: compute x spread x E[max of N normals], "
+         f"spread {spread}"),
+    ]
+
+
+def _pessimistic_rate(p: Prediction) -> float:
+    """Samples/s at the slow end of the range (the point itself when there is no range)."""
+    return p.samples_per_s * p.step_s / p.detail.get("step_high_s", p.step_s)
+
+
+def _with_range(i: Interval) -> Prediction:
+    from dataclasses import replace
+
+    detail = dict(i.expected.detail, step_low_s=i.step_low_s, step_high_s=i.step_high_s,
+                  efficiency_low=i.efficiency_low, efficiency_high=i.efficiency_high,
+                  dominant_input=i.dominant)
+    return replace(i.expected, detail=detail)
 
 
 def _marked(p: Prediction) -> Prediction:

@@ -17,6 +17,14 @@ def _fmt_rate(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
+def _range(p) -> str:  # p: Prediction
+    d = p.detail
+    if "efficiency_low" not in d:
+        return ""
+    return (f"  [eff {d['efficiency_low'] * 100:.0f}-{d['efficiency_high'] * 100:.0f}%, "
+            f"wait for slowest {d['straggler_s'] * 1e3:.2f} ms, range from {d['dominant_input']}]")
+
+
 def format_table(plan: Plan) -> str:
     """The predictions grouped by GPU count; ``*`` marks the best, ``~`` a non-exact strategy."""
     unit = "samples/s" if plan.workload.batch_size else "steps*GPUs/s"
@@ -33,7 +41,8 @@ def format_table(plan: Plan) -> str:
         lines.append(
             f"{p.gpus:>6} {p.nodes:>5} {mark}{p.strategy:<12} {p.step_s * 1e3:9.2f} "
             f"{_fmt_rate(p.samples_per_s):>12} {p.efficiency * 100:5.1f}% "
-            f"{p.exposed_share * 100:6.1f}% {mem} {p.algorithm:<12} {p.binding}")
+            f"{p.exposed_share * 100:6.1f}% {mem} {p.algorithm:<12} {p.binding}"
+            + _range(p))
     lines += ["", ("* best exact strategy that fits   ~ changes the algorithm (check convergence)"
               "   ! model states exceed --gpu-memory"),
               "eff = step on 1 GPU with no communication / predicted step (weak scaling)",
@@ -79,8 +88,13 @@ def save_png(plan: Plan, path: str) -> None:
     for name in names:
         pts = [p for p in plan.predictions if p.strategy == name]
         style = "--" if not pts[0].exact else "-"
-        ax.plot([p.gpus for p in pts], [p.efficiency * 100 for p in pts], style, marker="o",
-                label=name)
+        line = ax.plot([p.gpus for p in pts], [p.efficiency * 100 for p in pts], style,
+                       marker="o", label=name)
+        if all("efficiency_low" in p.detail for p in pts):  # the low-high range, shaded
+            ax.fill_between([p.gpus for p in pts],
+                            [p.detail["efficiency_low"] * 100 for p in pts],
+                            [p.detail["efficiency_high"] * 100 for p in pts],
+                            color=line[0].get_color(), alpha=0.15)
     best = [p for p in plan.predictions if p.best]
     ax.scatter([p.gpus for p in best], [p.efficiency * 100 for p in best], s=160,
                facecolors="none", edgecolors="black", linewidths=1.5, label="best", zorder=3)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.plan.links import Link
+from lockstep.plan.stragglers import spread_of
 
 __all__ = [
     "DTYPE_BYTES",
@@ -64,6 +65,9 @@ class Workload:
     # Bytes of each message DDP broadcasts from rank 0 before every forward (BatchNorm's running
     # statistics: one message per buffer dtype); empty: no buffers, or broadcast_buffers=False.
     buffer_broadcasts: tuple[float, ...] = ()
+    # Spread (std / mean) of the ranks' compute per step, from the profile's per_rank phases
+    # (None: one rank profiled, or no per-rank phases); prices the wait for the slowest of N.
+    step_cv: float | None = None
 
     def __post_init__(self) -> None:
         if self.parameters <= 0:
@@ -206,8 +210,22 @@ def load_profile(path: str | Path) -> Workload:
         optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
         other=other, batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
         device=device.split(":")[0], source=path, link=link, notes=notes,
-        buffer_broadcasts=broadcasts or (),
+        buffer_broadcasts=broadcasts or (), step_cv=_per_rank_cv(doc),
     )
+
+
+def _per_rank_cv(doc: dict) -> float | None:
+    """Spread of forward + backward + optimizer over the profile's ``per_rank`` entries."""
+    per_rank = doc.get("per_rank")
+    if not isinstance(per_rank, list):
+        return None
+    times = []
+    for entry in per_rank:
+        phases = entry.get("phases") if isinstance(entry, dict) else None
+        if isinstance(phases, dict):
+            times.append(sum(float(phases.get(k, 0.0) or 0.0)
+                             for k in ("forward", "backward", "optimizer")))
+    return spread_of(times)
 
 
 def _buffer_broadcasts(model: dict, path: str) -> tuple[float, ...] | None:

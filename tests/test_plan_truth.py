@@ -1,0 +1,174 @@
+"""The planner's realistic terms: transports, the slowest of N, intervals (pure logic, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.plan import describe, parse_link, parse_strategy, parse_topology, plan
+from lockstep.plan.intervals import INPUTS, predict_interval
+from lockstep.plan.model import PlanOptions, predict
+from lockstep.plan.stragglers import (
+    expected_max_empirical,
+    expected_max_normal,
+    spread_of,
+    straggler_delay,
+)
+from lockstep.plan.transports import TRANSPORTS, Transport, achievable, efficiency_at, transport_of
+
+
+def test_expected_max_normal_matches_tables():
+    # Harter (1961): E[max] of 2, 3, 4, 10 standard normals.
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(0.5642, abs=1e-4)
+    assert expected_max_normal(3) == pytest.approx(0.8463, abs=1e-4)
+    assert expected_max_normal(4) == pytest.approx(1.0294, abs=1e-4)
+    assert expected_max_normal(10) == pytest.approx(1.5388, abs=1e-4)
+    assert expected_max_normal(64) > expected_max_normal(16) > expected_max_normal(4)
+
+
+def test_expected_max_empirical_is_exact():
+    assert expected_max_empirical([3.0, 1.0, 2.0], 1) == pytest.approx(2.0)
+    assert expected_max_empirical([1.0, 2.0], 2) == pytest.approx(1.75)  # 1/4 * 1 + 3/4 * 2
+    assert expected_max_empirical([1.0, 2.0], 50) == pytest.approx(2.0, abs=1e-12)
+    with pytest.raises(ValueError):
+        expected_max_empirical([], 3)
+
+
+def test_spread_and_delay():
+    assert spread_of([1.0]) is None
+    assert spread_of([1.0, 1.0]) == 0.0
+    assert spread_of([0.9, 1.1]) == pytest.approx(0.1414, abs=1e-4)
+    assert straggler_delay(0.1, 1, 0.05) == 0.0
+    assert straggler_delay(0.1, 4, 0.05) == pytest.approx(0.1 * 0.05 * 1.0294, rel=1e-3)
+    with pytest.raises(ValueError, match="cv"):
+        straggler_delay(0.1, 4, -0.1)
+
+
+def test_presets_name_their_transport():
+    assert transport_of(parse_link("eth25")).name == "tcp"
+    assert transport_of(parse_link("roce25")).name == "rdma"
+    assert transport_of(parse_link("ib-ndr400")).name == "rdma"
+    assert transport_of(parse_link("nvlink4")).name == "nvlink"
+    assert transport_of(parse_link("5us@25GB/s")) is None  # a literal is what was achieved
+
+
+def test_tcp_and_rdma_differ_on_the_same_port():
+    eth, roce = parse_link("eth25"), parse_link("roce25")
+    assert eth.beta == roce.beta  # the same line rate ...
+    for size in (1e5, 1e6, 25e6):  # ... but not the same achievable bandwidth
+        assert efficiency_at(eth, size) < efficiency_at(roce, size)
+    # The curve rises with message size towards the transport's large-message efficiency.
+    sizes = [1e3, 1e5, 1e7, 1e9]
+    effs = [efficiency_at(roce, s) for s in sizes]
+    assert effs == sorted(effs) and effs[-1] == pytest.approx(TRANSPORTS["rdma"].efficiency[1],
+                                                              rel=0.01)
+    assert efficiency_at(parse_link("5us@25GB/s"), 1e6) == 1.0
+
+
+def test_transport_bounds_are_ordered():
+    with pytest.raises(ValueError, match="efficiency"):
+        Transport("x", (0.9, 0.5, 1.0), (0, 0, 0), "")
+    topo = parse_topology("pcie3:4,roce25x1")
+    fast, pm_fast = achievable(topo, "optimistic")
+    slow, pm_slow = achievable(topo, "pessimistic")
+    assert fast.inter.beta > slow.inter.beta and pm_fast < pm_slow
+    with pytest.raises(ValueError, match="bound"):
+        achievable(topo, "median")
+
+
+def _cnn() -> object:
+    return describe(25e6, step_time=0.25, batch_size=32, dtype="float32")
+
+
+def test_bound_none_keeps_the_line_rate_model():
+    w, topo, ddp = _cnn(), parse_topology("pcie3:4,eth25x1"), parse_strategy("ddp")
+    plain = predict(w, topo, 16, ddp)
+    real = predict(w, topo, 16, ddp, PlanOptions(bound="expected"))
+    assert plain.detail["straggler_s"] == 0.0 and plain.detail["per_message_s"] == 0.0
+    assert real.step_s > plain.step_s  # the line-rate model is a lower bound
+    assert real.detail["straggler_s"] > 0 and real.detail["per_message_s"] > 0
+
+
+def test_wait_for_slowest_grows_with_n_and_uses_the_profile_spread():
+    w, topo, ddp = _cnn(), parse_topology("nvlink4:8,ib-ndr400"), parse_strategy("ddp")
+    waits = [predict(w, topo, n, ddp, PlanOptions(bound="expected", step_cv=0.02))
+             .detail["straggler_s"] for n in (2, 16, 128)]
+    assert waits[0] < waits[1] < waits[2]
+    assert waits[1] == pytest.approx(w.compute * 0.02 * expected_max_normal(16), rel=1e-6)
+    from dataclasses import replace
+
+    noisy = replace(w, step_cv=0.05)
+    assert predict(noisy, topo, 16, ddp, PlanOptions(bound="expected")).detail[
+        "straggler_s"] == pytest.approx(w.compute * 0.05 * expected_max_normal(16), rel=1e-6)
+
+
+def test_interval_brackets_the_expected_and_names_the_dominant_input():
+    w, ddp = _cnn(), parse_strategy("ddp")
+    i = predict_interval(w, parse_topology("pcie3:4,eth25x1"), 32, ddp)
+    assert i.step_low_s <= i.expected.step_s <= i.step_high_s
+    assert i.efficiency_low <= i.expected.efficiency <= i.efficiency_high
+    assert i.dominant in INPUTS and set(i.swings) == set(INPUTS)
+    assert i.dominant == "link efficiency"  # TCP's range (0.32-0.92) is the widest input
+    # On a fast link the communication hides and the spread of the ranks dominates.
+    j = predict_interval(w, parse_topology("nvlink4:8,ib-ndr400"), 64, ddp)
+    assert j.dominant == "step-time spread"
+
+
+def test_best_is_chosen_on_the_pessimistic_end():
+    w = _cnn()
+    result = plan(w, parse_topology("pcie3:4,eth25x1"), [16], ["ddp", "ddp-bf16"],
+                  intervals=True)
+    rows = [p for p in result.predictions if p.gpus == 16]
+    best = [p for p in rows if p.best]
+    assert len(best) == 1
+    worst = {p.strategy: p.samples_per_s * p.step_s / p.detail["step_high_s"] for p in rows}
+    assert best[0].strategy == max(worst, key=lambda k: worst[k])
+    assert "eff " in result.table() and "range from" in result.table()
+    assert "efficiency_low" in result.to_dict()["predictions"][0]["detail"]
+
+
+def test_nccl_algorithms_only_bound_ring_by_the_node_ports():
+    from lockstep.plan.costs import ALL_REDUCE, collective
+
+    topo = parse_topology("nvlink3:8,ib-hdr200x4")  # 4 x 25 GB/s leave each node
+    size, n = 2**30, 16
+    with_hier = collective(ALL_REDUCE, size, n, topo)
+    nccl = collective(ALL_REDUCE, size, n, topo, hierarchical=False)
+    assert with_hier.algorithm == "hierarchical" and nccl.algorithm in ("ring", "tree")
+    busbw = size / nccl.seconds * 2 * (n - 1) / n
+    assert busbw <= topo.node_bandwidth() * 1.0001  # a ring crosses the node through its NICs
+    assert size / with_hier.seconds * 2 * (n - 1) / n > topo.node_bandwidth()
+
+
+def test_published_rows_carry_their_citation():
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+                      / "busbw.json").read_text())
+    for row in doc["rows"]:
+        assert row["url"].startswith("https://") and row["quote"] and row["user_knew"]
+        parse_topology(row["link"])  # what a user would pass to --link
+    sources = {f["source"] for f in doc["calibration"]["facts"]}
+    assert sources <= {r["source"] for r in doc["rows"]} | {"NVIDIA/nccl#209"}
+
+
+def test_profile_per_rank_phases_give_the_spread(tmp_path):
+    import json
+
+    from lockstep.plan import load_profile
+
+    doc = {"format": "lockstep-profile", "version": 1, "world_size": 2, "device": "cpu",
+           "batch_size_per_rank": 8, "steps": 10,
+           "model": {"parameters": 1000, "dtype": "float32"},
+           "phases": {"data": 0.0, "forward": 0.01, "backward": 0.02, "optimizer": 0.0,
+                      "exposed_comm": 0.0, "step": 0.03},
+           "per_rank": [{"rank": 0, "phases": {"forward": 0.009, "backward": 0.018}},
+                        {"rank": 1, "phases": {"forward": 0.011, "backward": 0.022}}]}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    w = load_profile(str(path))
+    assert w.step_cv == pytest.approx(spread_of([0.027, 0.033]))
+    doc.pop("per_rank")
+    path.write_text(json.dumps(doc))
+    assert load_profile(str(path)).step_cv is None
