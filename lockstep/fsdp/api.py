@@ -140,10 +140,15 @@ def fully_shard(
         ``module`` itself.
 
     Raises:
-        ValueError: already sharded, a parameter shared with another unit, parameters on
+        ValueError: a container without forward (``nn.ModuleList``), already sharded, a parameter shared with another unit, parameters on
             different devices or of different dtypes, a hybrid layout that does not fit the world.
         RuntimeError: a sharded submodule already ran forward before the root was sharded.
     """
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__}; shard each block inside it, then the model that calls them"
+        )
     policy = mp_policy or MixedPrecisionPolicy()
     params = _collect(module)
     _check(module, params)

@@ -94,10 +94,20 @@ class FSDPUnit:
         self._gathering: tuple[collectives.Pending, torch.Tensor, torch.Tensor] | None = None
         self._ready = 0
         module.__dict__[_ATTR] = self
+        # copy.deepcopy looks __deepcopy__ up on the instance: refuse with a message instead of
+        # copying parameters whose storage the unit frees and swaps (that crashed the process).
+        module.__dict__["__deepcopy__"] = self._refuse_deepcopy
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         for slot in flat.trainable:
             slot.full.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _refuse_deepcopy(self, memo: Any) -> Any:
+        raise RuntimeError(
+            f"copy.deepcopy of a fully_shard-ed module ({type(self.module).__name__}) is not "
+            "supported: its parameters are shards whose full storage is gathered and freed. "
+            "Build a new model and load lockstep.fsdp.full_state_dict(model) into it instead"
+        )
 
     # -- root -----------------------------------------------------------------------------------
 

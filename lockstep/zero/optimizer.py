@@ -107,11 +107,14 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, **kwargs: Any
+    ) -> float | None:
         """Step this rank's shard, then share the updated parameters with every rank.
 
         Every rank must call it (it communicates). With ``reduce_gradients=True`` a closure
-        is evaluated once before the gradients are reduced.
+        is evaluated once before the gradients are reduced. Extra keyword arguments go to the
+        local optimizer's ``step``, as in torch.
         """
         loss = None
         if self._reduce_gradients:
@@ -121,7 +124,10 @@ class ZeroRedundancyOptimizer(Optimizer):
                 closure = None
             reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        stepped = self.optim.step(closure) if closure is not None else self.optim.step()
+        if closure is not None:
+            stepped = self.optim.step(closure=closure, **kwargs)
+        else:
+            stepped = self.optim.step(**kwargs)
         broadcast_buckets(self._buckets, self.rank, self.process_group, self._ranks)
         self._steps += 1
         # Some optimizers change their own hyperparameters; keep the full view in step.
@@ -242,6 +248,12 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError("ZeroRedundancyOptimizer got parameter groups without any parameter")
         device = params[0][2].device
         for g, i, p in params:
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(
+                    f"parameter {i} of group {g} is a sparse tensor ({p.layout}); "
+                    "ZeroRedundancyOptimizer shards dense parameters only: keep sparse "
+                    "parameters in a separate plain optimizer"
+                )
             if p.device != device:
                 raise ValueError(
                     f"parameter {i} of group {g} is on {p.device} but parameter 0 is on {device}; "
