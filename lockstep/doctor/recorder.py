@@ -276,7 +276,7 @@ class Recorder:
         keys = (*PHASES, "step")
         local = torch.tensor([sum(p[k] for p in recent) / max(1, len(recent)) for k in keys],
                              dtype=torch.float64)
-        if dist.get_backend(self.group) == "nccl":
+        if self.backend == "nccl":
             local = local.to(self.device)
         table = torch.empty(self.world_size * len(keys), dtype=local.dtype, device=local.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
