@@ -183,6 +183,37 @@ def test_parameters_on_different_devices_are_refused():
         lockstep.fully_shard(lockstep.fully_shard(nn.Linear(2, 2)))
 
 
+def test_containers_without_forward_are_refused_at_the_call():
+    # Before #30 fully_shard(nn.ModuleList) was accepted and failed later inside a matmul.
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        with pytest.raises(ValueError, match=f"containers that do not implement forward: {type(container).__name__}"):
+            lockstep.fully_shard(container)
+    lockstep.fully_shard(nn.Sequential(nn.Linear(2, 2)))  # a container with a forward is fine
+
+
+_DEEPCOPY = """
+import copy, torch, lockstep
+from torch import nn
+model = lockstep.fully_shard(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+model(torch.randn(2, 3)).sum().backward()
+try:
+    copy.deepcopy(model)
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_deepcopy_is_a_clear_error_not_a_crash():
+    # A subprocess: before #30 deepcopy killed the process with SIGSEGV.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DEEPCOPY], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "refused: copy.deepcopy of a fully_shard-ed module (Sequential)" in done.stdout
+    assert "full_state_dict" in done.stdout
+
+
 # -- the checks, each against a single-process reference --------------------------------------
 
 

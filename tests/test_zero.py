@@ -418,6 +418,39 @@ def test_sparse_gradient_is_refused_in_zero2(world_of_one):
         opt.step()
 
 
+def test_sparse_parameter_is_refused_at_construction(world_of_one):
+    # Before #30 it was accepted and step() failed on its owner while the peers timed out.
+    sparse = torch.zeros(4, 2).to_sparse().requires_grad_()
+    with pytest.raises(ValueError, match="parameter 1 of group 0 is a sparse tensor"):
+        lockstep.ZeroRedundancyOptimizer(
+            [torch.zeros(2, requires_grad=True), sparse], torch.optim.SGD, lr=0.1
+        )
+
+
+class _ScaledSGD(torch.optim.SGD):
+    """An optimizer whose step takes an extra keyword, as some torch optimizers' do."""
+
+    def step(self, closure=None, *, scale: float = 1.0):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return super().step(closure)
+
+
+def test_step_passes_keyword_arguments_to_the_local_optimizer(world_of_one):
+    # Before #30 step(scale=...) raised TypeError; torch hands extra keywords to the local step.
+    ref, model = _model(), _model()
+    ref_opt = _ScaledSGD(ref.parameters(), lr=0.1)
+    opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), _ScaledSGD, lr=0.1)
+    x, y = _batches(1)[0]
+    for m, o in ((ref, ref_opt), (model, opt)):
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step(scale=0.5)
+    assert _max_diff(model, ref) == 0.0
+
+
 def test_world_of_one_equals_plain_adam_and_its_state_dict(world_of_one):
     ref, model = _model(), _model()
     ref_opt = torch.optim.Adam(ref.parameters(), **_ADAM)
