@@ -191,6 +191,72 @@ def test_containers_without_forward_are_refused_at_the_call():
     lockstep.fully_shard(nn.Sequential(nn.Linear(2, 2)))  # a container with a forward is fine
 
 
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.never = nn.Linear(4, 4, dtype=torch.float64), nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_unused_parameters_keep_none_gradients_like_torch():
+    # Before #30 they got zero gradients, which AdamW's weight decay then moved.
+    ref, model = _WithUnused(), lockstep.fully_shard(_WithUnused())
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for _ in range(2):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+    assert model.never.weight.grad is None and model.never.bias.grad is None
+    assert model.used.weight.grad is not None
+    assert _diff(model, ref) < TOL
+
+
+def test_unshard_and_reshard_are_public_and_not_recursive():
+    model = _shard(_model())
+    block = model.blocks[0]
+    shapes = {n: p.shape for n, p in _model().blocks[0].named_parameters()}
+    assert lockstep.fsdp.unshard(block) is None
+    assert {n: p.shape for n, p in block.named_parameters()} == shapes
+    assert _full_bytes(block) > 0 and _full_bytes(model.blocks[1]) == 0 and _full_bytes(model) == 0
+    lockstep.fsdp.reshard(block)
+    assert all(p.dim() == 1 for p in block.parameters()) and _full_bytes(block) == 0
+    handle = lockstep.fsdp.unshard(block, async_op=True)
+    assert isinstance(handle, lockstep.fsdp.UnshardHandle)
+    handle.wait()
+    assert {n: p.shape for n, p in block.named_parameters()} == shapes
+    x, y = _batches(1)[0]
+    _loss(model, x, y).backward()  # forward uses the gathered block, then frees it as usual
+    assert _full_bytes(block) == 0
+    with pytest.raises(ValueError, match="unshard: Linear is not fully sharded"):
+        lockstep.fsdp.unshard(nn.Linear(2, 2))
+
+
+def test_reshard_after_backward_false_skips_the_next_gather_and_accumulates_exactly():
+    ref, model = _model(), _shard(_model())
+    batches = _batches(3)
+    for x, y in batches:
+        _loss(ref, x, y).backward()
+    lockstep.fsdp.set_reshard_after_backward(model, False)
+    with no_sync(model):
+        for x, y in batches[:2]:
+            with lockstep.fsdp.record_events(model) as events:
+                _loss(model, x, y).backward()
+            assert _full_bytes(model.blocks[0]) > 0  # kept gathered after backward
+    forward = events[: events.index(("forward-end", "")) + 1]
+    assert not [e for e in forward if e[0] == "gather-issued"]  # the second forward did not gather
+    lockstep.fsdp.set_reshard_after_backward(model, True)
+    _loss(model, *batches[2]).backward()
+    assert _full_bytes(model.blocks[0]) == 0
+    full = {n: p.grad for n, p in ref.named_parameters()}
+    for name, shard in model.named_parameters():
+        assert torch.allclose(shard.grad[: full[name].numel()], full[name].reshape(-1)[: shard.numel()], atol=TOL)
+
+
 _DEEPCOPY = """
 import copy, torch, lockstep
 from torch import nn

@@ -9,11 +9,16 @@ of the collectives gloo may lack, ``mixed_precision`` the policy, and ``api`` ti
 """
 
 from lockstep.fsdp.api import (
+    UnshardHandle,
     clip_grad_norm_,
     full_state_dict,
     fully_shard,
     no_sync,
+    reshard,
     set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
 )
 from lockstep.fsdp.checkpoint import ModelState, OptimizerState
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -23,11 +28,16 @@ __all__ = [
     "MixedPrecisionPolicy",
     "ModelState",
     "OptimizerState",
+    "UnshardHandle",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
     "no_sync",
     "record_events",
+    "reshard",
     "set_prefetch",
     "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "set_reshard_after_forward",
+    "unshard",
 ]

@@ -16,12 +16,17 @@ from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 __all__ = [
+    "UnshardHandle",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
     "mesh_groups",
     "no_sync",
+    "reshard",
     "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "set_reshard_after_forward",
+    "unshard",
 ]
 
 Group = Union[dist.ProcessGroup, "dist.DeviceMesh", tuple, None]
@@ -169,14 +174,90 @@ def _units(module: nn.Module) -> list[FSDPUnit]:
     return units
 
 
-def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+def _own_unit(module: nn.Module, what: str) -> FSDPUnit:
+    unit = get_unit(module)
+    if unit is None:
+        raise ValueError(
+            f"{what}: {type(module).__name__} is not fully sharded; call lockstep.fully_shard on it first"
+        )
+    return unit
+
+
+def _selected(module: nn.Module, recurse: bool, what: str) -> list[FSDPUnit]:
+    return _units(module) if recurse else [_own_unit(module, what)]
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """Turn gradient reduction on or off for every sharded unit in ``module`` (torch's name).
 
     Off: each backward accumulates the full, unreduced gradients locally (memory of the whole
-    unsharded gradient); the next backward with sync on reduces the sum once.
+    unsharded gradient); the next backward with sync on reduces the sum once. ``recurse=False``
+    sets ``module``'s own unit only, as torch's ``FSDPModule.set_requires_gradient_sync``.
     """
-    for unit in _units(module):
+    for unit in _selected(module, recurse, "set_requires_gradient_sync"):
         unit.requires_gradient_sync = requires_gradient_sync
+
+
+def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    """Free the gathered parameters after backward (the default) or keep them (torch's name).
+
+    ``False`` keeps each unit gathered after its backward, so the next forward needs no
+    all-gather: for gradient accumulation, with :func:`set_requires_gradient_sync`. The kept
+    parameters are the values from before the optimizer step: set it back to ``True`` before
+    the last micro-batch's backward (or call :func:`reshard`) so the step's update is gathered.
+    """
+    for unit in _selected(module, recurse, "set_reshard_after_backward"):
+        unit.reshard_after_backward = bool(reshard_after_backward)
+
+
+def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    """Change ``fully_shard``'s ``reshard_after_forward`` of the units under ``module`` (torch's name)."""
+    for unit in _selected(module, recurse, "set_reshard_after_forward"):
+        unit.reshard_after_forward = bool(reshard_after_forward)
+
+
+class UnshardHandle:
+    """What ``unshard(module, async_op=True)`` returns: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        """Wait for the all-gather and register the full parameters on the module (once)."""
+        if self._unit is not None:
+            self._unit.unshard()
+            self._unit = None
+
+
+def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
+    """All-gather ``module``'s own parameters and register the full tensors on it (torch's name).
+
+    Not recursive: sharded submodules keep their shards, as with torch's ``FSDPModule.unshard``.
+    Its next forward uses them without gathering again; it frees them afterwards when
+    ``reshard_after_forward``. A collective: call it on every rank of the shard group.
+
+    Args:
+        module: a module given to ``fully_shard``.
+        async_op: start the all-gather and return an :class:`UnshardHandle` to wait on.
+
+    Raises:
+        ValueError: ``module`` is not fully sharded.
+    """
+    unit = _own_unit(module, "unshard")
+    if async_op:
+        unit.start_gather()
+        return UnshardHandle(unit)
+    unit.unshard()
+    return None
+
+
+def reshard(module: nn.Module) -> None:
+    """Free ``module``'s gathered parameters and register its shards again (torch's name; not recursive).
+
+    Raises:
+        ValueError: ``module`` is not fully sharded.
+    """
+    _own_unit(module, "reshard").reshard()
 
 
 @contextlib.contextmanager

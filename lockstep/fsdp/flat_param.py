@@ -144,14 +144,23 @@ class FlatShard:
                 slot.unsharded_grad.add_(grad)
             slot.full.grad = None
 
+    @property
+    def reduce_numel(self) -> int:
+        """Elements of each rank's reduced row: its gradient chunks, then one flag per gradient."""
+        return self.grad_numel + len(self.trainable)
+
     def grad_send(self, dtype: torch.dtype) -> torch.Tensor:
         """The reduce-scatter input: each rank's row holds its chunk of every gradient, ÷ N.
 
         A gradient this rank did not produce contributes zeros. Division before the sum keeps
-        bf16 sums in range and stands in for gloo's missing ``ReduceOp.AVG``.
+        bf16 sums in range and stands in for gloo's missing ``ReduceOp.AVG``. After the chunks
+        every row carries one flag per trainable parameter, non-zero where this rank produced a
+        gradient: summed by the same reduce-scatter, they tell every rank which parameters got a
+        gradient anywhere, so that one used by no rank keeps ``.grad = None``, as in torch.
         """
-        send = torch.zeros(self.size, self.grad_numel, dtype=dtype, device=self.device)
-        for slot in self.trainable:
+        trainable = self.trainable
+        send = torch.zeros(self.size, self.reduce_numel, dtype=dtype, device=self.device)
+        for i, slot in enumerate(trainable):
             grad = slot.full.grad
             if slot.unsharded_grad is not None:
                 grad = slot.unsharded_grad if grad is None else slot.unsharded_grad + grad
@@ -161,11 +170,19 @@ class FlatShard:
                 continue
             padded = F.pad(grad.detach().reshape(-1).to(dtype), (0, slot.chunk * self.size - slot.numel))
             send[:, slot.grad_offset : slot.grad_offset + slot.chunk] = padded.view(self.size, slot.chunk)
+            send[:, self.grad_numel + i] = 1
         return send.div_(self.size)
 
     def set_shard_grads(self, reduced: torch.Tensor) -> None:
-        """Accumulate this rank's reduced chunk of every gradient into the shards' ``.grad``."""
-        for slot in self.trainable:
+        """Accumulate this rank's reduced chunk of every gradient into the shards' ``.grad``.
+
+        A parameter whose flag is zero got a gradient on no rank: its ``.grad`` is left as it is
+        (``None`` after ``zero_grad``), not set to zeros that weight decay would act on.
+        """
+        got = (reduced[self.grad_numel :] != 0).tolist()
+        for slot, produced in zip(self.trainable, got):
+            if not produced:
+                continue
             piece = reduced[slot.grad_offset : slot.grad_offset + slot.chunk].to(slot.shard.dtype)
             if slot.shard.grad is None:
                 slot.shard.grad = piece.clone()

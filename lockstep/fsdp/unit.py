@@ -81,6 +81,7 @@ class FSDPUnit:
         self.module, self.flat = module, flat
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True  # False: keep gathered for the next forward
         self.mp_policy = mp_policy
         self.root: RootState | None = None
         self.is_root = False
@@ -216,7 +217,10 @@ class FSDPUnit:
     def post_backward(self) -> None:
         """Free the parameters and start reducing the gradients (or stash them, without sync)."""
         self.backward_open = False
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            self.flat.use_shards()  # stays gathered: the next forward reuses it without a gather
         if not self.flat.trainable:
             return
         if not self.requires_gradient_sync:
@@ -224,7 +228,7 @@ class FSDPUnit:
             return
         dtype = self.mp_policy.gradient_dtype(self.flat.trainable[0].shard.dtype)
         send = self.flat.grad_send(dtype)
-        reduced = torch.empty(self.flat.grad_numel, dtype=dtype, device=send.device)
+        reduced = torch.empty(self.flat.reduce_numel, dtype=dtype, device=send.device)
         pending = collectives.reduce_scatter_tensor(reduced, send.view(-1), self.shard_group, async_op=True)
         self.emit("reduce-issued")
         assert self.root is not None
