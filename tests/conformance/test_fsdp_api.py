@@ -69,13 +69,24 @@ class Tied(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _pair(build: Callable[[], nn.Module] = Net) -> tuple[nn.Module, nn.Module]:
+def _pair(build: Callable[[], nn.Module] = Net, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
     """(torch-sharded, lockstep-sharded) copies of one model, blocks first, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     theirs, ours = build(), build()
-    for model, shard in ((theirs, lambda m: torch_fsdp.fully_shard(m, mesh=mesh)), (ours, lockstep.fully_shard)):
+    ours_kwargs = dict(kwargs)
+    if "mp_policy" in kwargs:  # the same fields, each library's class
+        p = kwargs["mp_policy"]
+        ours_kwargs["mp_policy"] = lockstep.MixedPrecisionPolicy(p.param_dtype, p.reduce_dtype)
+
+    def theirs_shard(m: nn.Module) -> None:
+        torch_fsdp.fully_shard(m, mesh=mesh, **kwargs)
+
+    def ours_shard(m: nn.Module) -> None:
+        lockstep.fully_shard(m, **ours_kwargs)
+
+    for model, shard in ((theirs, theirs_shard), (ours, ours_shard)):
         for block in getattr(model, "blocks", []):
             shard(block)
         shard(model)
@@ -162,6 +173,24 @@ def _accumulation() -> dict:
     return out
 
 
+def _mixed_precision() -> dict:
+    """bf16 gather and compute, fp32 reduction, AdamW on the fp32 shards; and no resharding."""
+    out = {}
+    for name, kwargs in (
+        ("bf16", {"mp_policy": torch_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)}),
+        ("keep_gathered", {"reshard_after_forward": False}),
+    ):
+        theirs, ours = _pair(**kwargs)
+        opts = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (theirs, ours)]
+        for step in range(2):
+            for model, opt in zip((theirs, ours), opts):
+                opt.zero_grad()
+                model(_data(step)).float().pow(2).mean().backward()
+                opt.step()
+        out[name] = _diff(_theirs_full(theirs), full_state_dict(ours))
+    return out
+
+
 def _clipping() -> dict:
     theirs, ours = _pair()
     for model in (theirs, ours):
@@ -231,6 +260,7 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "tied": _tied,
     "accumulation": _accumulation,
     "clipping": _clipping,
+    "mixed_precision": _mixed_precision,
     "state_dicts": _state_dicts,
     "unshard": _unshard,
     "errors": _errors,
@@ -288,6 +318,12 @@ def test_clip_grad_norm_matches_torch(world2):
     for out in _get(world2, "clipping"):
         assert out["norms"][0] == pytest.approx(out["norms"][1], rel=1e-5)
         assert out["diff"] < TOL
+
+
+def test_mixed_precision_and_reshard_after_forward_false_train_like_torch(world2):
+    for out in _get(world2, "mixed_precision"):
+        assert out["keep_gathered"] < TOL
+        assert out["bf16"] < 1e-3  # bf16 compute: the order of the sums shows in the last bits
 
 
 def test_full_state_dicts_agree_and_load_both_ways(world2):
