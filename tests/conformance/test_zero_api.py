@@ -113,7 +113,8 @@ def _step_arguments() -> dict:
     for model, opt in zip(models, opts):
         x, y = _data(1)
 
-        def closure(model: nn.Module = model, opt: Any = opt) -> torch.Tensor:
+        def closure(model: nn.Module = model, opt: Any = opt, x: torch.Tensor = x,
+                    y: torch.Tensor = y) -> torch.Tensor:
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()
@@ -161,7 +162,8 @@ def _errors() -> dict:
         "single_tensor": lambda z: z(dense, torch.optim.SGD, lr=0.1),
         "state_dict_unconsolidated": lambda z: z([dense], torch.optim.SGD, lr=0.1).state_dict(),
     }
-    return {name: [_error(lambda: case(TorchZero)), _error(lambda: case(lockstep.ZeroRedundancyOptimizer))]
+    return {name: [_error(lambda case=case: case(TorchZero)),
+                   _error(lambda case=case: case(lockstep.ZeroRedundancyOptimizer))]
             for name, case in cases.items()}
 
 
