@@ -23,6 +23,8 @@ from typing import Protocol
 
 from torch import nn
 
+from lockstep.fsdp.registry import get_unit
+
 __all__ = ["EVENTS", "Prefetcher", "record_events", "set_prefetch"]
 
 #: What :func:`record_events` reports, as ``(event, unit name)`` pairs.
@@ -89,8 +91,6 @@ class Prefetcher:
 
 
 def _units(module: nn.Module) -> list[_Unit]:
-    from lockstep.fsdp.unit import get_unit  # the unit imports this module
-
     units: list[_Unit] = [u for m in module.modules() if (u := get_unit(m)) is not None]
     if not units:
         raise ValueError(f"{type(module).__name__} has no fully sharded module; call lockstep.fully_shard first")

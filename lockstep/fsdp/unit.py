@@ -26,16 +26,11 @@ from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.prefetch import Prefetcher
+from lockstep.fsdp.registry import attach, get_unit
 from lockstep.tensors import iter_tensors
 
-__all__ = ["FSDPUnit", "RootState", "get_unit"]
+__all__ = ["FSDPUnit", "RootState", "get_unit"]  # get_unit re-exported from registry
 
-_ATTR = "_lockstep_fsdp_unit"
-
-
-def get_unit(module: nn.Module) -> FSDPUnit | None:
-    """The unit ``fully_shard`` made of ``module``, or ``None``."""
-    return module.__dict__.get(_ATTR)
 
 
 @dataclass
@@ -94,7 +89,7 @@ class FSDPUnit:
         # An all-gather in flight: (pending, output, input kept alive until it finishes).
         self._gathering: tuple[collectives.Pending, torch.Tensor, torch.Tensor] | None = None
         self._ready = 0
-        module.__dict__[_ATTR] = self
+        attach(module, self)
         # copy.deepcopy looks __deepcopy__ up on the instance: refuse with a message instead of
         # copying parameters whose storage the unit frees and swaps (that crashed the process).
         module.__dict__["__deepcopy__"] = self._refuse_deepcopy
