@@ -57,8 +57,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Raises:
         TypeError: ``optimizer_class`` is not a subclass of ``torch.optim.Optimizer``.
-        ValueError: no parameters, parameters on several devices (or on the CPU with NCCL),
-            or ``overlap_with_ddp=True``.
+        ValueError: no parameters, a sparse parameter, parameters on several devices (or on
+            the CPU with NCCL), or ``overlap_with_ddp=True``.
         RuntimeError: no process group.
         ReplicaMismatchError: ranks passed different parameters (a RuntimeError and a ValueError).
 
