@@ -149,16 +149,24 @@ def _tied() -> dict:
 
 
 def _accumulation() -> dict:
-    """Two micro-batches without sync, then one with: the same summed gradients as torch."""
+    """Two micro-batches without sync, then one with: the same summed gradients as torch.
+
+    Variants: resharding after backward or not; only the root's unit without sync
+    (``recurse=False``) and the blocks kept gathered after forward (``set_reshard_after_forward``).
+    """
     out: dict[str, float] = {}
-    for keep in (False, True):
+    for variant in ("reshard", "keep", "root_only"):
         theirs, ours = _pair()
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, ours)]
-        theirs.set_requires_gradient_sync(False)
-        lockstep.fsdp.set_requires_gradient_sync(ours, False)
-        if keep:
+        recurse = variant != "root_only"
+        theirs.set_requires_gradient_sync(False, recurse=recurse)
+        lockstep.fsdp.set_requires_gradient_sync(ours, False, recurse=recurse)
+        if variant == "keep":
             theirs.set_reshard_after_backward(False)
             lockstep.fsdp.set_reshard_after_backward(ours, False)
+        if variant == "root_only":
+            theirs.set_reshard_after_forward(False)
+            lockstep.fsdp.set_reshard_after_forward(ours, False)
         for step in range(3):
             if step == 2:
                 theirs.set_requires_gradient_sync(True)
@@ -169,7 +177,7 @@ def _accumulation() -> dict:
                 model(_data(step)).pow(2).mean().backward()
         for opt in opts:
             opt.step()
-        out["keep" if keep else "reshard"] = _diff(_theirs_full(theirs), full_state_dict(ours))
+        out[variant] = _diff(_theirs_full(theirs), full_state_dict(ours))
     return out
 
 
@@ -309,9 +317,9 @@ def test_tied_weights_are_one_parameter_and_train_like_torch(world2):
         assert out["diff"] < TOL
 
 
-def test_accumulation_without_sync_matches_torch_with_and_without_resharding(world2):
+def test_accumulation_without_sync_matches_torch_with_each_setter(world2):
     for out in _get(world2, "accumulation"):
-        assert out["reshard"] < TOL and out["keep"] < TOL
+        assert out["reshard"] < TOL and out["keep"] < TOL and out["root_only"] < TOL
 
 
 def test_clip_grad_norm_matches_torch(world2):
