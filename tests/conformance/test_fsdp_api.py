@@ -69,6 +69,19 @@ class Tied(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class RankDependent(nn.Module):
+    """``sometimes`` is used on rank 0 only: a parameter unused on some ranks, used on others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.always, self.sometimes = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.always(x)
+        return self.sometimes(x) if dist.get_rank() == 0 else x
+
+
 def _pair(build: Callable[[], nn.Module] = Net, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
     """(torch-sharded, lockstep-sharded) copies of one model, blocks first, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -181,6 +194,20 @@ def _accumulation() -> dict:
     return out
 
 
+def _rank_dependent() -> dict:
+    """Used on rank 0 only: torch needs ``set_reduce_scatter_unused_params(True)``, lockstep not."""
+    theirs, ours = _pair(RankDependent)
+    theirs.set_reduce_scatter_unused_params(True)
+    opts = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (theirs, ours)]
+    for step in range(2):
+        for model, opt in zip((theirs, ours), opts):
+            opt.zero_grad()
+            model(_data(step)).pow(2).mean().backward()
+            opt.step()
+    return {"diff": _diff(_theirs_full(theirs), full_state_dict(ours)),
+            "no_grad": [_no_grad(theirs), _no_grad(ours)]}
+
+
 def _mixed_precision() -> dict:
     """bf16 gather and compute, fp32 reduction, AdamW on the fp32 shards; and no resharding."""
     out = {}
@@ -269,6 +296,7 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
     "accumulation": _accumulation,
     "clipping": _clipping,
     "mixed_precision": _mixed_precision,
+    "rank_dependent": _rank_dependent,
     "state_dicts": _state_dicts,
     "unshard": _unshard,
     "errors": _errors,
@@ -332,6 +360,12 @@ def test_mixed_precision_and_reshard_after_forward_false_train_like_torch(world2
     for out in _get(world2, "mixed_precision"):
         assert out["keep_gathered"] < TOL
         assert out["bf16"] < 1e-3  # bf16 compute: the order of the sums shows in the last bits
+
+
+def test_parameter_used_on_one_rank_only_trains_like_torch_reducing_unused(world2):
+    for out in _get(world2, "rank_dependent"):
+        assert out["diff"] < TOL
+        assert out["no_grad"] == [[], []]
 
 
 def test_full_state_dicts_agree_and_load_both_ways(world2):
