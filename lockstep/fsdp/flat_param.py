@@ -75,6 +75,7 @@ class FlatShard:
             self.slots.append(slot)
         self.shard_numel = offset  # elements of this rank's flat shard
         self.grad_numel = grad_offset
+        self._complete = True  # whether the last grad_send had every trainable gradient
         self.device = params[0][1].device if params else torch.device("cpu")
         self.use_shards()
 
@@ -160,6 +161,7 @@ class FlatShard:
         """
         trainable = self.trainable
         send = torch.zeros(self.size, self.reduce_numel, dtype=dtype, device=self.device)
+        self._complete = True  # every gradient produced here: no flag needs reading back
         for i, slot in enumerate(trainable):
             grad = slot.full.grad
             if slot.unsharded_grad is not None:
@@ -167,6 +169,7 @@ class FlatShard:
             slot.full.grad = None
             slot.unsharded_grad = None
             if grad is None:
+                self._complete = False
                 continue
             padded = F.pad(grad.detach().reshape(-1).to(dtype), (0, slot.chunk * self.size - slot.numel))
             send[:, slot.grad_offset : slot.grad_offset + slot.chunk] = padded.view(self.size, slot.chunk)
@@ -179,7 +182,9 @@ class FlatShard:
         A parameter whose flag is zero got a gradient on no rank: its ``.grad`` is left as it is
         (``None`` after ``zero_grad``), not set to zeros that weight decay would act on.
         """
-        got = (reduced[self.grad_numel :] != 0).tolist()
+        # Reading the flags waits for the device; when this rank produced every gradient, every
+        # flag is set and the read is skipped.
+        got = [True] * len(self.trainable) if self._complete else (reduced[self.grad_numel :] != 0).tolist()
         for slot, produced in zip(self.trainable, got):
             if not produced:
                 continue
