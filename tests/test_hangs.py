@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 
 import lockstep
+from lockstep.abort_guard import odd_counts
 from lockstep.checkpoint import CheckpointError
 from lockstep.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
@@ -272,3 +273,25 @@ def test_launcher_names_the_rank_with_other_shapes_in_debug_mode(tmp_path):
     assert "Root cause: rank 2 (local rank 2, pid " in err, err[-3000:]
     assert "called a different collective than its peers (named by rank(s) " in err
     assert "rank 2 calls all_reduce(float32[5] cpu); while ranks [0, 1] call" in err
+
+
+def test_odd_counts_names_the_rank_off_the_majority_or_behind():
+    assert odd_counts({"0-1": {0: 4, 1: 4}}) is None
+    assert odd_counts({"0-1-2": {0: 4, 1: 4, 2: 3}}) == ("0-1-2", [2], 4)
+    assert odd_counts({"0-1-2": {0: 5, 1: 4, 2: 4}}) == ("0-1-2", [0], 4)  # one extra: still odd
+    assert odd_counts({"0-1": {0: 4, 1: 3}}) == ("0-1", [1], 4)  # two ranks: the one behind
+    assert odd_counts({"0-1": {0: 2, 1: 2}, "1-2": {1: 1, 2: 0}}) == ("1-2", [2], 1)
+
+
+@pytest.mark.multirank
+def test_launcher_names_the_rank_that_skipped_a_collective_not_the_one_gloo_aborted(tmp_path):
+    # Rank 1 skips a DDP backward; its next all-reduce (larger) meets rank 0's gradient
+    # all-reduce and gloo aborts rank 0, which was named as the root cause (SIGABRT).
+    code, err = _launch(tmp_path, 2, "skip", 1)
+    assert code == 1, err[-3000:]
+    assert "Root cause: rank 1 (local rank 1, pid " in err, err[-3000:]
+    assert ("skipped a collective its peers ran at step 3, phase 'after forward, before "
+            "backward': it had entered 3 collectives where they had entered 4 (named by rank(s) 0)"
+            ) in err, err[-3000:]
+    assert "SIGABRT" not in err.split("lockstep run: the job failed")[-1], err[-3000:]
+    assert "rank 0: gloo aborted this process" in err
