@@ -28,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 
 import lockstep
-from lockstep.abort_guard import odd_counts
 from lockstep.checkpoint import CheckpointError
 from lockstep.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
@@ -273,14 +272,6 @@ def test_launcher_names_the_rank_with_other_shapes_in_debug_mode(tmp_path):
     assert "Root cause: rank 2 (local rank 2, pid " in err, err[-3000:]
     assert "called a different collective than its peers (named by rank(s) " in err
     assert "rank 2 calls all_reduce(float32[5] cpu); while ranks [0, 1] call" in err
-
-
-def test_odd_counts_names_the_rank_off_the_majority_or_behind():
-    assert odd_counts({"0-1": {0: 4, 1: 4}}) is None
-    assert odd_counts({"0-1-2": {0: 4, 1: 4, 2: 3}}) == ("0-1-2", [2], 4)
-    assert odd_counts({"0-1-2": {0: 5, 1: 4, 2: 4}}) == ("0-1-2", [0], 4)  # one extra: still odd
-    assert odd_counts({"0-1": {0: 4, 1: 3}}) == ("0-1", [1], 4)  # two ranks: the one behind
-    assert odd_counts({"0-1": {0: 2, 1: 2}, "1-2": {1: 1, 2: 0}}) == ("1-2", [2], 1)
 
 
 @pytest.mark.multirank
