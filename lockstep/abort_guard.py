@@ -40,6 +40,9 @@ __all__ = ["AbortGuard", "CollectiveMismatchAbort", "odd_counts"]
 
 logger = logging.getLogger(__name__)
 
+# Reading the peers takes a few heartbeats (lockstep.hang.observe_peers); past this, give up.
+_VERDICT_DEADLINE_S = 30.0
+
 
 def odd_counts(counts: dict[str, dict[int, int]]) -> tuple[str, list[int], int] | None:
     """The first group whose ranks entered different numbers of collectives, and who is odd.
@@ -80,6 +83,9 @@ class CollectiveMismatchAbort(RuntimeError):
     """What a rank that gloo aborted reports: the ranks whose collective counts differ."""
 
 
+_REMOVED = object()
+
+
 class AbortGuard:
     """SIGABRT handler of one process: names the rank that skipped a collective, exits 1.
 
@@ -91,6 +97,7 @@ class AbortGuard:
         self.tracker = tracker
         self._handler: Any = None
         self._previous: Any = None
+        self._libc: Any = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -106,26 +113,33 @@ class AbortGuard:
             libc.signal.restype = ctypes.c_void_p
             libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
             guard._previous = libc.signal(signal.SIGABRT, ctypes.cast(guard._handler, ctypes.c_void_p))
+            guard._libc = libc
         except (OSError, AttributeError):
             guard._handler = None
         return guard
 
     def remove(self) -> None:
-        """Give SIGABRT back to the handler that was there before."""
-        if self._handler is None:
+        """Give SIGABRT back to the handler that was there before (the handler object is kept:
+        a signal being handled may still be running it)."""
+        if self._handler is None or self._previous is _REMOVED:
             return
-        libc = ctypes.CDLL(None)
-        libc.signal(signal.SIGABRT, self._previous)
-        self._handler = None
+        self._libc.signal(signal.SIGABRT, self._previous)
+        self._previous = _REMOVED
 
     def _on_abort(self, signum: int) -> None:
         # Runs in the aborting thread (gloo's), with the GIL taken by ctypes. One verdict only.
         if not self._lock.acquire(blocking=False):
             return
+        # A verdict that cannot be reached (the store's host is gone too) must not turn the
+        # abort into a hang: past the deadline the process aborts as it would have.
+        timer = threading.Timer(_VERDICT_DEADLINE_S, self._abort_now)
+        timer.daemon = True
+        timer.start()
         try:
             message = self.verdict()
         except Exception:  # noqa: BLE001 - the store may be gone too: abort as before
             message = None
+        timer.cancel()
         if message is None:
             faulthandler.dump_traceback(all_threads=True)
             return  # abort() goes on: SIGABRT, as without the guard
@@ -133,6 +147,10 @@ class AbortGuard:
         sys.stderr.flush()
         _record_error(message)
         os._exit(1)
+
+    def _abort_now(self) -> None:
+        self.remove()
+        os.abort()
 
     def verdict(self) -> str | None:
         """The error naming the rank whose count differs, written as blame; None without one."""
