@@ -86,6 +86,10 @@ class CollectiveMismatchAbort(RuntimeError):
 _REMOVED = object()
 
 
+def _counts_of(record: dict[str, Any] | None) -> dict[str, int]:
+    return dict(record.get("counts", {})) if record else {}
+
+
 class AbortGuard:
     """SIGABRT handler of one process: names the rank that skipped a collective, exits 1.
 
@@ -160,7 +164,12 @@ class AbortGuard:
         peers = sorted({int(r) for key in found.counts for r in key.split("-")} - {me})
         if not peers:
             return None
-        _states, latest, _silent = observe_peers(found, found.read(peers))
+        _states, first, _silent = observe_peers(found, found.read(peers))
+        # Peers blocked by the mismatch stay where they are; one that still moves was merely
+        # behind when an abort of another kind came, and proves nothing.
+        _states, latest, _silent = observe_peers(found, first)
+        if any(_counts_of(first.get(r)) != _counts_of(latest.get(r)) for r in peers):
+            return None
         counts: dict[str, dict[int, int]] = {}
         for key, mine in found.counts.items():
             members = [int(r) for r in key.split("-")]

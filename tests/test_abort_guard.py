@@ -60,3 +60,19 @@ def test_no_verdict_when_the_counts_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     assert AbortGuard(_Tracker(1, {"0-1": 5}, {0: {"0-1": 5}})).verdict() is None
     assert not (tmp_path / BLAME_FILE).exists()  # an abort of another kind ends as before
+
+
+def test_no_verdict_when_the_rank_behind_is_still_moving(tmp_path, monkeypatch):
+    # An abort of another kind while a peer was merely behind: its count grows as it is watched.
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    found = _Tracker(0, {"0-1": 50}, {1: {"0-1": 3}})
+    reads = found.read
+
+    def moving(ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        out = reads(ranks)
+        found.peers[1] = {"0-1": found.peers[1]["0-1"] + 1}
+        return out
+
+    found.read = moving  # type: ignore[method-assign]
+    assert AbortGuard(found).verdict() is None
+    assert not (tmp_path / BLAME_FILE).exists()
