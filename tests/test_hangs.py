@@ -4,7 +4,9 @@ Tiers: the blame verdicts turned into a root cause, as pure logic; worlds of 2 a
 which one rank sleeps before backward, leaves the loop early, or stops inside ``join()`` or
 before a ``Checkpointer`` meeting, where every waiting rank must name it (and what it was last
 doing) shortly after the process group's timeout; jobs under ``lockstep run`` whose root cause
-must be the rank that stopped, not the ones that waited nor the one the launcher ended.
+must be the rank that stopped, not the ones that waited nor the one the launcher ended, and a
+job in which one rank skipped a collective and gloo aborted a peer, whose root cause must be the
+rank that skipped (lockstep.abort_guard).
 """
 
 from __future__ import annotations
