@@ -32,6 +32,7 @@ __all__ = [
     "LocalUsageError",
     "call_as",
     "describe_missing",
+    "observe_peers",
     "read_blame",
     "run",
     "wait",
@@ -203,7 +204,7 @@ def _find_culprits(
     behind = {r for r, rec in first.items() if _count(rec, progress.key) < seq}
     if not behind and not _PEER_TROUBLE.search(str(cause)):
         return [], 0.0  # e.g. a comm hook's own bug: the original error is the right one
-    states, latest, silent_s = _observe(found, first)
+    states, latest, silent_s = observe_peers(found, first)
     culprits, late, gone_but_arrived = [], [], []
     for rank in peers:
         culprit = Culprit(rank, states[rank], latest[rank], progress.key)
@@ -218,7 +219,7 @@ def _find_culprits(
     return (culprits or late or gone_but_arrived), silent_s
 
 
-def _observe(
+def observe_peers(
     found: ProgressTracker, first: dict[int, dict[str, Any] | None]
 ) -> tuple[dict[int, str], dict[int, dict[str, Any] | None], float]:
     """Watch the peers' heartbeats until each has beaten or exited, or for a few intervals.
@@ -250,7 +251,7 @@ def describe_missing(missing: list[int], message: str) -> str:
     if found is None or not missing:
         return message
     try:
-        states, latest, silent_s = _observe(found, found.read(missing))
+        states, latest, silent_s = observe_peers(found, found.read(missing))
     except Exception:  # noqa: BLE001 - the store's host may be among the missing
         return message
     culprits = [Culprit(r, states[r], latest[r]) for r in missing]

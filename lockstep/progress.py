@@ -134,6 +134,10 @@ class ProgressTracker:
         self._thread.start()
         # SIGUSR1 dumps this rank's Python stack, for a peer that names it stuck (lockstep.hang)
         self._stack = StackDump.install()
+        # SIGABRT from gloo (a collective mismatch) names the rank that skipped one, exits 1
+        from lockstep.abort_guard import AbortGuard  # late: abort_guard reads these records
+
+        self._abort_guard = AbortGuard.install(self)
         atexit.register(self.close)
 
     # ---- hot path: memory only -------------------------------------------------------------
@@ -169,6 +173,10 @@ class ProgressTracker:
             "state": self._state,
         }
 
+    def publish_now(self) -> None:
+        """Publish this rank's record at once (a dying rank's last word; see lockstep.abort_guard)."""
+        self._publish()
+
     def _publish(self) -> None:
         with self._lock:
             self._beat += 1
@@ -190,6 +198,7 @@ class ProgressTracker:
             return
         self._stop.set()
         self._stack.remove()
+        self._abort_guard.remove()
         self._thread.join(timeout=self.interval)
         self._state = "exited"
         try:

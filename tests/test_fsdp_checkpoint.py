@@ -262,11 +262,66 @@ def test_hybrid_checkpoint_is_written_once_and_restores_at_world_four_and_two(tm
         for form in FORMS:
             assert _same(out[f"{form}@restore"], saved), form
             assert _diff(out[form], ref) < TOL, form
+    for form in FORMS:  # 2 x 2 -> 1: into a plain model and a plain AdamW, in this process
+        plain = _model()
+        plain_opt = torch.optim.AdamW(plain.parameters(), **ADAMW)
+        lockstep.Checkpointer(f"{root}/{form}").restore(
+            model=ModelState(plain), optimizer=OptimizerState(plain, plain_opt))
+        assert _same(plain.state_dict(), saved[0]), form
+        _steps(plain, plain_opt, SAVE_AT, STEPS, 0, 1)
+        assert _diff(plain.state_dict(), ref) < TOL, form
     assert lockstep.Checkpointer(tmp_path / "sharded").latest() == sharded  # checksums of 2 shard files
     shard = sharded / "shard-rank00001.pt"
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.warns(UserWarning, match="skipping damaged checkpoint.*shard-rank00001"):
         assert lockstep.Checkpointer(tmp_path / "sharded").latest() is None
+
+
+def subgroup_worker(rank: int, root: str) -> dict[str, Any] | None:
+    """World 3: ranks 1 and 2 shard a model over their own group and checkpoint it with that group."""
+    lockstep.init_distributed()
+    group = dist.new_group([1, 2])  # every rank creates it; rank 0 takes no part after
+    if rank == 0:
+        return None
+    me = dist.get_rank(group)
+    model, opt = _build(rank, group=group)
+    _steps(model, opt, 0, SAVE_AT, me, 2)
+    for form, full in FORMS.items():
+        lockstep.Checkpointer(f"{root}/{form}", process_group=group).save(
+            SAVE_AT, model=ModelState(model, full=full), optimizer=OptimizerState(model, opt, full=full))
+    out: dict[str, Any] = {"saved": full_state_dict(model)}
+    for form in FORMS:
+        fresh, fresh_opt = _build(rank, group=group)
+        lockstep.Checkpointer(f"{root}/{form}", process_group=group).restore(
+            model=ModelState(fresh), optimizer=OptimizerState(fresh, fresh_opt))
+        _steps(fresh, fresh_opt, SAVE_AT, STEPS, me, 2)
+        out[form] = full_state_dict(fresh)
+    return out
+
+
+@pytest.mark.multirank
+def test_checkpointer_with_its_own_group_names_and_finds_files_by_group_rank(tmp_path):
+    # The files are named by rank in the Checkpointer's group; the shards used to record global
+    # ranks (1, 2), so nothing was written as the values of global rank 0 and restoring looked
+    # for shard-rank00002.pt.
+    root = str(tmp_path)
+    ref = _reference()
+    outs = lockstep.spawn(subgroup_worker, 3, (root,), timeout=120)
+    assert outs[0] is None
+    files = sorted(p.name for p in (tmp_path / "sharded" / "step_000000000002").iterdir())
+    assert files == ["rng-rank00000.pt", "rng-rank00001.pt", "shard-rank00000.pt",
+                     "shard-rank00001.pt", "state.pt"]
+    for out in outs[1:]:
+        for form in FORMS:
+            assert _diff(out[form], ref) < TOL, form
+    for form in FORMS:  # and into a plain model in this process
+        plain = _model()
+        plain_opt = torch.optim.AdamW(plain.parameters(), **ADAMW)
+        lockstep.Checkpointer(f"{root}/{form}").restore(
+            model=ModelState(plain), optimizer=OptimizerState(plain, plain_opt))
+        assert _same(plain.state_dict(), outs[1]["saved"]), form
+        _steps(plain, plain_opt, SAVE_AT, STEPS, 0, 1)
+        assert _diff(plain.state_dict(), ref) < TOL, form
 
 
 def scalar_worker(rank: int, root: str) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Tiers: the blame verdicts turned into a root cause, as pure logic; worlds of 2 a
 which one rank sleeps before backward, leaves the loop early, or stops inside ``join()`` or
 before a ``Checkpointer`` meeting, where every waiting rank must name it (and what it was last
 doing) shortly after the process group's timeout; jobs under ``lockstep run`` whose root cause
-must be the rank that stopped, not the ones that waited nor the one the launcher ended.
+must be the rank that stopped, not the ones that waited nor the one the launcher ended, and a
+job in which one rank skipped a collective and gloo aborted a peer, whose root cause must be the
+rank that skipped (lockstep.abort_guard).
 """
 
 from __future__ import annotations
@@ -272,3 +274,17 @@ def test_launcher_names_the_rank_with_other_shapes_in_debug_mode(tmp_path):
     assert "Root cause: rank 2 (local rank 2, pid " in err, err[-3000:]
     assert "called a different collective than its peers (named by rank(s) " in err
     assert "rank 2 calls all_reduce(float32[5] cpu); while ranks [0, 1] call" in err
+
+
+@pytest.mark.multirank
+def test_launcher_names_the_rank_that_skipped_a_collective_not_the_one_gloo_aborted(tmp_path):
+    # Rank 1 skips a DDP backward; its next all-reduce (larger) meets rank 0's gradient
+    # all-reduce and gloo aborts rank 0, which was named as the root cause (SIGABRT).
+    code, err = _launch(tmp_path, 2, "skip", 1)
+    assert code == 1, err[-3000:]
+    assert "Root cause: rank 1 (local rank 1, pid " in err, err[-3000:]
+    assert ("skipped a collective its peers ran at step 3, phase 'after forward, before "
+            "backward': it had entered 3 collectives where they had entered 4 (named by rank(s) 0)"
+            ) in err, err[-3000:]
+    assert "SIGABRT" not in err.split("lockstep run: the job failed")[-1], err[-3000:]
+    assert "rank 0: gloo aborted this process" in err

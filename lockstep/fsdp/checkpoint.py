@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.fsdp import collectives
+from lockstep.fsdp.checkpoint_ranks import checkpoint_group_ranks, to_checkpoint_ranks
 from lockstep.fsdp.unit import get_unit
 
 __all__ = ["ModelState", "OptimizerState", "read_range"]
@@ -50,6 +51,7 @@ class _Entry:
     size: int
     group: dist.ProcessGroup | None
     owners: tuple[int, ...]  # the checkpoint rank holding each chunk
+    me: int  # this rank in the checkpoint's group (lockstep.fsdp.checkpoint_ranks)
 
     @property
     def span(self) -> tuple[int, int]:
@@ -63,7 +65,7 @@ class _Entry:
         Under hybrid sharding every replica holds the same shards; the one whose shard group
         holds global rank 0 writes them, the others write nothing (restoring reads ``owners``).
         """
-        return 0 in self.owners and _global_rank() == self.owners[self.rank]
+        return 0 in self.owners and self.me == self.owners[self.rank]
 
     def meta(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "chunk": self.chunk, "owners": list(self.owners)}
@@ -73,8 +75,13 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _layout(model: nn.Module) -> dict[str, _Entry]:
-    """Every parameter of ``model`` by name (ties once, under their first name)."""
+def _layout(model: nn.Module, group: Any = None) -> dict[str, _Entry]:
+    """Every parameter of ``model`` by name (ties once, under their first name).
+
+    Ranks are those of the checkpoint's ``group`` (see :mod:`lockstep.fsdp.checkpoint_ranks`).
+    """
+    ranks = checkpoint_group_ranks(model, group)
+    me = to_checkpoint_ranks(ranks, [_global_rank()], "this rank")[0]
     slots = {}
     for module in model.modules():
         unit = get_unit(module)
@@ -85,20 +92,24 @@ def _layout(model: nn.Module) -> dict[str, _Entry]:
     for fqn, param in model.named_parameters():
         if id(param) in slots:
             slot, unit = slots[id(param)]
-            owners = (
-                tuple(dist.get_process_group_ranks(unit.shard_group or dist.group.WORLD))
-                if dist.is_initialized() else (0,)
-            )
+            owners = to_checkpoint_ranks(
+                ranks, dist.get_process_group_ranks(unit.shard_group or dist.group.WORLD), fqn
+            ) if dist.is_initialized() else (0,)
             entries[fqn] = _Entry(param, slot.shape, slot.numel, slot.chunk, unit.flat.rank,
-                                  unit.flat.size, unit.shard_group, owners)
+                                  unit.flat.size, unit.shard_group, owners, me)
         else:
-            entries[fqn] = _Entry(param, param.shape, param.numel(), param.numel(), 0, 1, None, (0,))
+            entries[fqn] = _Entry(param, param.shape, param.numel(), param.numel(), 0, 1, None, (0,), me)
     return entries
 
 
-def _writes_piece(model: nn.Module) -> bool:
+def _writes_piece(model: nn.Module, group: Any) -> bool:
     """Whether this rank holds values no other rank writes (rank 0 also writes the buffers)."""
-    return _global_rank() == 0 or any(entry.writes() for entry in _layout(model).values())
+    return _checkpoint_rank(model, group) == 0 or any(e.writes() for e in _layout(model, group).values())
+
+
+def _checkpoint_rank(model: nn.Module, group: Any) -> int:
+    """This rank in the checkpoint's group (its rank 0 writes the buffers and the full form)."""
+    return checkpoint_group_ranks(model, group).index(_global_rank())
 
 
 def read_range(pieces: Sequence[Any], start: int, end: int, chunk: int, owners: Sequence[int],
@@ -160,6 +171,9 @@ class ModelState:
     Args:
         model: the root given to ``fully_shard``, or an unsharded model to restore into.
         full: save the consolidated state dict on rank 0 instead of one piece per rank.
+        process_group: the Checkpointer's ``process_group``, whose ranks name the files
+            (``None``: the group ``model`` is sharded over if it has no replicas, else the
+            default group).
 
     Example::
 
@@ -167,8 +181,8 @@ class ModelState:
         ckpt.restore(model=ModelState(model), optimizer=OptimizerState(model, opt))
     """
 
-    def __init__(self, model: nn.Module, *, full: bool = False) -> None:
-        self.model, self.full = model, full
+    def __init__(self, model: nn.Module, *, full: bool = False, process_group: Any = None) -> None:
+        self.model, self.full, self.process_group = model, full, process_group
         self.save_sharded = not full  # the Checkpointer's switch (lockstep.checkpoint.sharded)
         self._consolidated: dict[str, torch.Tensor] | None = None
 
@@ -180,21 +194,21 @@ class ModelState:
 
     def writes_piece(self) -> bool:
         """Whether this rank writes a piece: false on hybrid replicas without global rank 0."""
-        return _writes_piece(self.model)
+        return _writes_piece(self.model, self.process_group)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's piece: its run of every parameter it owns, and the buffers on rank 0."""
         params = {}
-        for fqn, entry in _layout(self.model).items():
+        for fqn, entry in _layout(self.model, self.process_group).items():
             params[fqn] = {**entry.meta(), **({"values": _run(entry, entry.param)} if entry.writes() else {})}
-        buffers = {k: v.detach().to("cpu", copy=True) for k, v in self._buffers().items()} if _global_rank() == 0 else {}
+        buffers = {k: v.detach().to("cpu", copy=True) for k, v in self._buffers().items()} if _checkpoint_rank(self.model, self.process_group) == 0 else {}
         return {"params": params, "buffers": buffers}
 
     @torch.no_grad()
     def load_sharded_state_dict(self, pieces: Sequence[Any]) -> None:
         """Load the pieces saved at any world size: each rank reads the runs it overlaps."""
         index = pieces[0]["params"]
-        layout = _layout(self.model)
+        layout = _layout(self.model, self.process_group)
         _check_names("the saved model", list(layout), list(index), getattr(pieces, "source", "checkpoint"))
         for fqn, entry in layout.items():
             saved = index[fqn]
@@ -211,9 +225,9 @@ class ModelState:
         """Gather the unsharded state dict onto rank ``to`` (every rank must call it)."""
         if not self.full:
             return
-        keep = _global_rank() == to
+        keep = _checkpoint_rank(self.model, self.process_group) == to
         full = {}
-        for entry in _layout(self.model).values():
+        for entry in _layout(self.model, self.process_group).values():
             value = _gather(entry, entry.param)  # a collective on every rank; only ``to`` keeps it
             if keep:
                 full[id(entry.param)] = value
@@ -236,7 +250,7 @@ class ModelState:
         """Load an unsharded state dict (saved at any world size, or by a plain model)."""
         current = self.model.state_dict(keep_vars=True)
         _check_names("the state dict", list(current), list(state), "load_state_dict")
-        entries = {id(e.param): e for e in _layout(self.model).values()}
+        entries = {id(e.param): e for e in _layout(self.model, self.process_group).values()}
         for key, value in current.items():
             entry = entries.get(id(value))
             if entry is None:
@@ -284,15 +298,17 @@ class OptimizerState:
         model: the model whose ``parameters()`` the optimizer was built over.
         optimizer: a plain torch optimizer (AdamW, SGD...).
         full: save a plain optimizer's state dict (full-size tensors) on rank 0.
+        process_group: the Checkpointer's ``process_group`` (as for :class:`ModelState`).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> None:
-        self.model, self.optimizer, self.full = model, optimizer, full
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
+                 process_group: Any = None) -> None:
+        self.model, self.optimizer, self.full, self.process_group = model, optimizer, full, process_group
         self.save_sharded = not full
         self._consolidated: dict[str, Any] | None = None
 
     def _positions(self) -> tuple[list[str], dict[str, _Entry]]:
-        layout = _layout(self.model)
+        layout = _layout(self.model, self.process_group)
         names = {id(e.param): fqn for fqn, e in layout.items()}
         fqns = []
         for group in self.optimizer.param_groups:
@@ -312,7 +328,7 @@ class OptimizerState:
 
     def writes_piece(self) -> bool:
         """Whether this rank writes a piece: false on hybrid replicas without global rank 0."""
-        return _writes_piece(self.model)
+        return _writes_piece(self.model, self.process_group)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's piece: its run of each per-element state tensor, the rest as it is."""
@@ -363,7 +379,7 @@ class OptimizerState:
         fqns, layout = self._positions()
         saved = self.optimizer.state_dict()
         kinds = _per_element_keys(saved["state"], lambda p: layout[fqns[p]].param.shape)
-        keep = _global_rank() == to
+        keep = _checkpoint_rank(self.model, self.process_group) == to
         state: dict[int, dict[str, Any]] = {}
         for position, per_param in saved["state"].items():
             entry = layout[fqns[position]]

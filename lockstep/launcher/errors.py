@@ -213,6 +213,9 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
     state = culprit.get("state")
     if state == "mismatch":
         return "called a different collective than its peers"
+    if state == "skipped":
+        return (f"skipped a collective its peers ran{where}: it had entered {culprit.get('count')} "
+                f"collectives where they had entered {culprit.get('expected')}")
     if state == "exited" or own.exitcode == 0:
         return f"left early: it exited{where} while its peers waited for it"
     if state == "gone":

@@ -6,6 +6,9 @@ Usage: hang_ddp.py MODE CULPRIT TIMEOUT_S
   leave   rank CULPRIT leaves the training loop after step 2 and exits with 0;
   shapes  (run with LOCKSTEP_DEBUG_COLLECTIVES=1) rank CULPRIT all-reduces a tensor of
           another shape, checked first by lockstep.check_collective.
+  skip    at step 3 rank CULPRIT skips a DDP backward (and so its gradient all-reduce) while
+          its peers run it: its next all-reduce, a larger one, meets theirs (no debug mode), and
+          gloo aborts a peer.
 
 The others wait in a collective; it must fail within TIMEOUT_S plus a few seconds naming
 CULPRIT, and the launcher must report CULPRIT as the root cause.
@@ -37,6 +40,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = lockstep.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if mode == "skip":
+        # A batch skipped on one rank: its gradient all-reduce (2 floats) is missing there, and
+        # its logging all-reduce (16 floats) meets its peers' gradient all-reduce instead.
+        small = lockstep.DistributedDataParallel(nn.Linear(1, 1))
+        for step in range(1, 6):
+            loss = small(torch.ones(2, 1)).sum()
+            if not (info.rank == culprit and step == 3):
+                loss.backward()
+            dist.all_reduce(torch.full((16,), loss.item()))
+        lockstep.shutdown_distributed()
+        return
     for step in range(1, 6):
         if mode == "leave" and info.rank == culprit and step == 3:
             return  # uneven data: this rank's loader ran out
