@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lockstep.plan import describe, parse_link, parse_strategy, parse_topology, plan
@@ -142,7 +144,6 @@ def test_nccl_algorithms_only_bound_ring_by_the_node_ports():
 
 def test_published_rows_carry_their_citation():
     import json
-    from pathlib import Path
 
     doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
                       / "busbw.json").read_text())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.report import format_table, plan_to_dict, save_png
 from lockstep.plan.stragglers import DEFAULT_CV
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
 from lockstep.plan.workload import Workload
@@ -49,18 +50,12 @@ class Plan:
         return next((p for p in self.predictions if p.gpus == gpus and p.best), None)
 
     def table(self) -> str:
-        from lockstep.plan.report import format_table
-
         return format_table(self)
 
     def to_dict(self) -> dict:
-        from lockstep.plan.report import plan_to_dict
-
         return plan_to_dict(self)
 
     def save_png(self, path: str) -> None:
-        from lockstep.plan.report import save_png
-
         save_png(self, path)
 
 
