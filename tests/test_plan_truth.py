@@ -173,3 +173,16 @@ def test_profile_per_rank_phases_give_the_spread(tmp_path):
     doc.pop("per_rank")
     path.write_text(json.dumps(doc))
     assert load_profile(str(path)).step_cv is None
+
+
+def test_report_does_not_import_the_planner():
+    """plan/report.py renders through a Protocol: no import (even under TYPE_CHECKING) of the
+    planner, which imports it, so the two modules form no cycle."""
+    import ast
+
+    import lockstep.plan.report as report
+
+    tree = ast.parse(Path(report.__file__).read_text())
+    names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert "lockstep.plan.planner" not in names
