@@ -18,7 +18,6 @@ from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
 from lockstep.plan.report import format_table, plan_to_dict, save_png
-from lockstep.plan.stragglers import DEFAULT_CV
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
 from lockstep.plan.workload import Workload
 
@@ -111,7 +110,8 @@ def _ranged_assumptions(workload: Workload, options: PlanOptions) -> list[str]:
     cv = options.step_cv if options.step_cv is not None else workload.step_cv
     spread = (f"{cv:.1%} (given)" if options.step_cv is not None else
               f"{cv:.1%} (from the profile's ranks)" if cv is not None else
-              f"{DEFAULT_CV[0]:.1%}-{DEFAULT_CV[2]:.1%}, expected {DEFAULT_CV[1]:.1%} (a stated "
+              f"{options.default_cv[0]:.1%}-{options.default_cv[2]:.1%}, expected "
+              f"{options.default_cv[1]:.1%} (a stated "
               "default: the profile has one rank)")
     return [
         ("intervals: preset links at their transport's achievable bandwidth (TCP sockets, RDMA, "
