@@ -53,11 +53,28 @@ def resnet_params(blocks: tuple[int, ...], groups: int = 1, width_per_group: int
     return total + inp * classes + classes
 
 
+def bert_params(vocab: int = 30522, hidden: int = 768, layers: int = 12, ffn: int = 3072,
+                positions: int = 512, types: int = 2) -> int:
+    """Trainable parameters of BERT for pre-training (encoder, pooler, MLM head with the decoder
+    tied to the word embeddings, NSP head), counted on torch.nn. Defaults: BERT-base's released
+    configuration (Devlin et al. 2018, bert_config.json of BERT-Base, Uncased)."""
+    parts: list[nn.Module] = [nn.Embedding(vocab, hidden), nn.Embedding(positions, hidden),
+                              nn.Embedding(types, hidden), nn.LayerNorm(hidden)]
+    for _ in range(layers):
+        parts += [nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden), nn.LayerNorm(hidden),
+                  nn.Linear(hidden, ffn), nn.Linear(ffn, hidden), nn.LayerNorm(hidden)]
+    parts += [nn.Linear(hidden, hidden),  # pooler
+              nn.Linear(hidden, hidden), nn.LayerNorm(hidden),  # MLM transform
+              nn.Linear(hidden, 2)]  # next-sentence head
+    return sum(p.numel() for m in parts for p in m.parameters()) + vocab  # + MLM output bias
+
+
 # The SE reduction ratio 16 is Hu et al., "Squeeze-and-Excitation Networks" (CVPR 2018)'s default.
 MODELS = {"resnet50": lambda: resnet_params((3, 4, 6, 3)),
           "resnext101_32x4d": lambda: resnet_params((3, 4, 23, 3), groups=32, width_per_group=4),
           "se_resnext101_32x4d": lambda: resnet_params((3, 4, 23, 3), groups=32,
-                                                       width_per_group=4, se=16)}
+                                                       width_per_group=4, se=16),
+          "bert_base": bert_params}
 
 
 def implied_cv(row: dict, params: dict[str, int]) -> float:
@@ -96,7 +113,8 @@ def judge(rows: list[dict], params: dict[str, int],
     for row in rows:
         pred = predict_row(row, params, default_cv=default_cv)
         measured = row["efficiency"]
-        out.append({**pred, "source": row["source"], "model": row["model"], "link": row["link"],
+        label = row["source"] + (f" / {row['column']}" if "column" in row else "")
+        out.append({**pred, "source": label, "model": row["model"], "link": row["link"],
                     "gpus": row["gpus"], "precision": row["precision"], "measured": measured,
                     "error": (pred["predicted"] - measured) * 100,
                     "covered": pred["low"] - 5e-4 <= measured <= pred["high"] + 5e-4})
@@ -115,11 +133,11 @@ def summary(judged: list[dict]) -> str:
 
 
 def table_text(judged: list[dict]) -> str:
-    head = (f"{'source':<40} {'model':<20} {'link':<10} {'GPUs':>4} {'prec':<5} "
+    head = (f"{'source':<40} {'model':<20} {'link':<21} {'GPUs':>4} {'prec':<5} "
             f"{'published':>9} {'predicted':>9} {'range':>9} {'error':>6} covered")
     lines = [head]
     for j in judged:
-        lines.append(f"{j['source']:<40} {j['model']:<20} {j['link']:<10} {j['gpus']:>4} "
+        lines.append(f"{j['source'][-40:]:<40} {j['model']:<20} {j['link']:<21} {j['gpus']:>4} "
                      f"{j['precision']:<5} {j['measured'] * 100:>8.1f}% "
                      f"{j['predicted'] * 100:>8.1f}% {j['low'] * 100:>4.0f}-{j['high'] * 100:<3.0f}% "
                      f"{j['error']:>+6.1f} {'yes' if j['covered'] else 'NO'}")
@@ -146,6 +164,9 @@ def main() -> None:
     print("\nleave one source out (default spread rebuilt without the held-out source's rows)\n")
     print(table_text(held))
     print("\nleave one source out:", summary(held))
+    for source in dict.fromkeys(r["source"] for r in rows):
+        part = [j for j in held if j["source"].startswith(source)]
+        print(f"  {source}: {summary(part)}")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ __all__ = ["DEFAULT_CV", "expected_max_empirical", "expected_max_normal", "sprea
 
 # Coefficient of variation of one rank's compute time per step (low, expected, high) when the
 # profile cannot tell. Calibrated, not assumed: the (min, median, max) of the spread that closes
-# the gap between the no-spread prediction and each of the 38 published single-node scaling
-# rows in benchmarks/published/training_scaling.json (benchmarks/bench_plan_scaling.py prints
-# 0.000 / 0.029 / 0.136, and the leave-one-source-out view that rebuilds it without the judged
-# source). It absorbs every per-rank loss the model does not price (host input pipeline, clocks,
+# the gap between the no-spread prediction and each of the 38 single-node NVIDIA
+# DeepLearningExamples rows in benchmarks/published/training_scaling.json (0.000 / 0.029 / 0.136;
+# the file's 31 OneFlow DLPerf rows judge it out of sample, and benchmarks/bench_plan_scaling.py's
+# leave-one-source-out view rebuilds it without the judged source). It absorbs every per-rank loss the model does not price (host input pipeline, clocks,
 # kernels beside compute), named as a spread: docs/plan.md, "Against published training scaling".
 DEFAULT_CV = (0.0, 0.029, 0.136)
 
