@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lockstep.plan import describe, parse_link, parse_strategy, parse_topology, plan
@@ -104,13 +106,15 @@ def test_wait_for_slowest_grows_with_n_and_uses_the_profile_spread():
 
 def test_interval_brackets_the_expected_and_names_the_dominant_input():
     w, ddp = _cnn(), parse_strategy("ddp")
-    i = predict_interval(w, parse_topology("pcie3:4,eth25x1"), 32, ddp)
+    # A steady fleet (spread 0.5-3%): the link is the widest input on TCP.
+    steady = PlanOptions(default_cv=(0.005, 0.015, 0.03))
+    i = predict_interval(w, parse_topology("pcie3:4,eth25x1"), 32, ddp, steady)
     assert i.step_low_s <= i.expected.step_s <= i.step_high_s
     assert i.efficiency_low <= i.expected.efficiency <= i.efficiency_high
     assert i.dominant in INPUTS and set(i.swings) == set(INPUTS)
     assert i.dominant == "link efficiency"  # TCP's range (0.32-0.92) is the widest input
     # On a fast link the communication hides and the spread of the ranks dominates.
-    j = predict_interval(w, parse_topology("nvlink4:8,ib-ndr400"), 64, ddp)
+    j = predict_interval(w, parse_topology("nvlink4:8,ib-ndr400"), 64, ddp, steady)
     assert j.dominant == "step-time spread"
 
 
@@ -142,7 +146,6 @@ def test_nccl_algorithms_only_bound_ring_by_the_node_ports():
 
 def test_published_rows_carry_their_citation():
     import json
-    from pathlib import Path
 
     doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
                       / "busbw.json").read_text())
@@ -172,3 +175,71 @@ def test_profile_per_rank_phases_give_the_spread(tmp_path):
     doc.pop("per_rank")
     path.write_text(json.dumps(doc))
     assert load_profile(str(path)).step_cv is None
+
+
+def test_report_does_not_import_the_planner():
+    """plan/report.py renders through a Protocol: no import (even under TYPE_CHECKING) of the
+    planner, which imports it, so the two modules form no cycle."""
+    import ast
+
+    from lockstep.plan import report
+
+    tree = ast.parse(Path(report.__file__).read_text())
+    names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert "lockstep.plan.planner" not in names
+
+
+def test_default_spread_is_an_option_used_only_without_a_measured_one():
+    from dataclasses import replace
+
+    w, topo, ddp = _cnn(), parse_topology("nvlink4:8,ib-ndr400"), parse_strategy("ddp")
+    wide = PlanOptions(bound="pessimistic", default_cv=(0.0, 0.05, 0.2))
+    wait = predict(w, topo, 16, ddp, wide).detail["straggler_s"]
+    assert wait == pytest.approx(w.compute * 0.2 * expected_max_normal(16), rel=1e-6)
+    measured = replace(w, step_cv=0.01)  # a profile's own spread wins over the default
+    assert predict(measured, topo, 16, ddp, wide).detail["straggler_s"] == pytest.approx(
+        w.compute * 0.01 * expected_max_normal(16), rel=1e-6)
+    with pytest.raises(ValueError, match="default_cv"):
+        PlanOptions(default_cv=(0.1, 0.05, 0.2))
+
+
+def _published_scaling() -> list[dict]:
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published" / "training_scaling.json"
+    return json.loads(path.read_text())["rows"]
+
+
+def test_published_scaling_rows_are_read_from_their_quotes():
+    """Every training-scaling row cites its README and table, and its numbers appear in the
+    quoted table rows; the efficiency is the published scaling column over the GPU count."""
+    rows = _published_scaling()
+    assert len(rows) >= 30 and len({r["url"].split("/blob/")[0] for r in rows}) >= 2
+    for row in rows:
+        assert row["url"].startswith(("https://github.com/NVIDIA/DeepLearningExamples/",
+                                      "https://github.com/Oneflow-Inc/DLPerf/"))
+        tail = row["quote"].split(" ... ")[-1]
+        assert str(row["throughput_n"]) in tail and str(row["throughput_1gpu"]) in row["quote"]
+        if "column" not in row:  # a README's own scaling column, quoted
+            assert str(row["published_scaling"]) in tail
+        assert row["efficiency"] == pytest.approx(row["published_scaling"] / row["gpus"], abs=1e-4)
+        assert row["user_knew"]
+
+
+def test_implied_spread_closes_the_gap_it_was_read_from():
+    """bench_plan_scaling.implied_cv inverts the slowest-of-N term: a row whose published
+    efficiency is the prediction at spread c implies c."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_plan_scaling", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = dict(_published_scaling()[4])
+    params = {row["model"]: 25_000_000}
+    row["efficiency"] = bench.predict_row(row, params, cv=0.04)["predicted"]
+    assert bench.implied_cv(row, params) == pytest.approx(0.04, rel=1e-3)
+    row["efficiency"] = 1.5  # better than the no-spread prediction: no spread, not a negative one
+    assert bench.implied_cv(row, params) == 0.0

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
-from lockstep.plan.stragglers import DEFAULT_CV
 from lockstep.plan.strategies import Strategy
 from lockstep.plan.transports import TRANSPORTS, Transport
 from lockstep.plan.workload import Workload
@@ -75,7 +74,7 @@ def _swing(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     table = {name: _pinned(t, which) for name, t in (options.transports or TRANSPORTS).items()}
     cv = options.step_cv
     if which != "step-time spread" and cv is None:
-        cv = workload.step_cv if workload.step_cv is not None else DEFAULT_CV[1]
+        cv = workload.step_cv if workload.step_cv is not None else options.default_cv[1]
     p = predict(workload, topo, world, strategy,
                 replace(options, bound="pessimistic", step_cv=cv, transports=table))
     assert p is not None

@@ -67,6 +67,8 @@ def _gbit(x: float) -> float:
 PRESETS: dict[str, Link] = {
     link.name: link
     for link in [
+        # NVLink 2 (V100 SXM2): 150 GB/s each way per GPU (six 25 GB/s links; docs/plan.md).
+        Link("nvlink2", 3e-6, 150e9, "V100-SXM2: NVLink 150 GB/s one way (Dell EMC DL guide)"),
         # NVLink 3 (A100): 600 GB/s total bidirectional per GPU -> 300 GB/s each way.
         Link("nvlink3", 3e-6, 300e9, "NVIDIA A100 datasheet: NVLink 600 GB/s"),
         # NVLink 4 (H100 SXM): 900 GB/s total bidirectional per GPU -> 450 GB/s each way.

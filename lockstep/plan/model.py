@@ -63,6 +63,9 @@ class PlanOptions:
             (from the profile's per-rank phases) or :data:`~lockstep.plan.stragglers.DEFAULT_CV`
             at ``bound``. Used only when ``bound`` is set.
         transports: the transport table (default :data:`~lockstep.plan.transports.TRANSPORTS`).
+        default_cv: the (low, expected, high) spread used when neither ``step_cv`` nor the
+            workload carries one (default :data:`~lockstep.plan.stragglers.DEFAULT_CV`);
+            benchmarks/bench_plan_scaling.py rebuilds it from published rows.
     """
 
     optimizer: str = "adam"
@@ -73,12 +76,17 @@ class PlanOptions:
     bound: str | None = None
     step_cv: float | None = None
     transports: Mapping[str, Transport] | None = None
+    default_cv: tuple[float, float, float] = DEFAULT_CV
 
     def __post_init__(self) -> None:
         if self.bound is not None and self.bound not in BOUNDS:
             raise ValueError(f"bound must be one of {', '.join(BOUNDS)} or None, got {self.bound!r}")
         if self.step_cv is not None and self.step_cv < 0:
             raise ValueError(f"step_cv must be >= 0, got {self.step_cv}")
+        lo, mid, hi = self.default_cv
+        if not 0 <= lo <= mid <= hi:
+            raise ValueError(f"default_cv must be 0 <= low <= expected <= high, got "
+                             f"{self.default_cv}")
         if self.cpu_cores is not None and self.cpu_cores < 1:
             raise ValueError(f"cpu_cores must be >= 1 (the cores of one node), got {self.cpu_cores}")
 
@@ -272,7 +280,7 @@ def _straggler_wait(workload: Workload, world: int, options: PlanOptions) -> flo
     cv = options.step_cv
     if cv is None:
         cv = workload.step_cv if workload.step_cv is not None else (
-            DEFAULT_CV[BOUNDS.index(options.bound)])
+            options.default_cv[BOUNDS.index(options.bound)])
     return straggler_delay(workload.compute, world, cv)
 
 

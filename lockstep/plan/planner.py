@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from lockstep.plan.intervals import Interval, predict_interval
 from lockstep.plan.links import Topology
 from lockstep.plan.model import PlanOptions, Prediction, predict
-from lockstep.plan.stragglers import DEFAULT_CV
+from lockstep.plan.report import format_table, plan_to_dict, save_png
 from lockstep.plan.strategies import DEFAULT_STRATEGIES, Strategy, parse_strategies
 from lockstep.plan.workload import Workload
 
@@ -49,18 +49,12 @@ class Plan:
         return next((p for p in self.predictions if p.gpus == gpus and p.best), None)
 
     def table(self) -> str:
-        from lockstep.plan.report import format_table
-
         return format_table(self)
 
     def to_dict(self) -> dict:
-        from lockstep.plan.report import plan_to_dict
-
         return plan_to_dict(self)
 
     def save_png(self, path: str) -> None:
-        from lockstep.plan.report import save_png
-
         save_png(self, path)
 
 
@@ -116,8 +110,9 @@ def _ranged_assumptions(workload: Workload, options: PlanOptions) -> list[str]:
     cv = options.step_cv if options.step_cv is not None else workload.step_cv
     spread = (f"{cv:.1%} (given)" if options.step_cv is not None else
               f"{cv:.1%} (from the profile's ranks)" if cv is not None else
-              f"{DEFAULT_CV[0]:.1%}-{DEFAULT_CV[2]:.1%}, expected {DEFAULT_CV[1]:.1%} (a stated "
-              "default: the profile has one rank)")
+              f"{options.default_cv[0]:.1%}-{options.default_cv[2]:.1%}, expected "
+              f"{options.default_cv[1]:.1%} (the profile has one rank: a default calibrated on "
+              "38 published single-node runs, docs/plan.md; measure yours at world >= 2)")
     return [
         ("intervals: preset links at their transport's achievable bandwidth (TCP sockets, RDMA, "
          "NVLink, PCIe; ranges cited in docs/plan.md) plus a per-message cost; the point is the "

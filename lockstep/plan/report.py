@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lockstep.plan.planner import Plan
+from lockstep.plan.links import Topology
+from lockstep.plan.model import Prediction
+from lockstep.plan.workload import Workload
 
-__all__ = ["format_table", "plan_to_dict", "save_png"]
+__all__ = ["PlanLike", "format_table", "plan_to_dict", "save_png"]
+
+
+class PlanLike(Protocol):
+    """What the renderers read of a :class:`~lockstep.plan.planner.Plan`. A protocol, so this
+    module imports nothing from the planner (the planner imports it: no import cycle)."""
+
+    workload: Workload
+    topology: Topology
+    predictions: list[Prediction]
+    assumptions: list[str]
+    not_modelled: tuple[str, ...]
 
 GB = 1e9
 
@@ -25,7 +37,7 @@ def _range(p) -> str:  # p: Prediction
             f"wait for slowest {d['straggler_s'] * 1e3:.2f} ms, range from {d['dominant_input']}]")
 
 
-def format_table(plan: Plan) -> str:
+def format_table(plan: PlanLike) -> str:
     """The predictions grouped by GPU count; ``*`` marks the best, ``~`` a non-exact strategy."""
     unit = "samples/s" if plan.workload.batch_size else "steps*GPUs/s"
     head = (f"{'GPUs':>6} {'nodes':>5}  {'strategy':<12} {'step ms':>9} {unit:>12} {'eff':>6} "
@@ -52,7 +64,7 @@ def format_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_to_dict(plan: Plan) -> dict:
+def plan_to_dict(plan: PlanLike) -> dict:
     """A JSON-ready document: format, inputs, assumptions and one record per prediction."""
     rows = []
     for p in plan.predictions:
@@ -76,7 +88,7 @@ def plan_to_dict(plan: Plan) -> dict:
     }
 
 
-def save_png(plan: Plan, path: str) -> None:
+def save_png(plan: PlanLike, path: str) -> None:
     """Scaling efficiency against GPU count, one curve per strategy; best points circled."""
     import matplotlib
 
