@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -95,12 +96,46 @@ def test_background_error_surfaces_at_next_call_naming_the_file(tmp_path, monkey
     assert ckpt.latest() == tmp_path / "step_000000000003"
 
 
+def test_saves_are_asynchronous_by_default(tmp_path, monkeypatch):
+    model = _model()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.blocking is False
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    path = ckpt.save(1, model=model)
+    assert not path.exists()  # the write is still running when save() returns
+    weights = sum(t.numel() * t.element_size() for t in _state(model).values())
+    assert ckpt.snapshot_bytes >= weights  # the weights, plus the RNG states
+    ckpt.wait()
+    assert path.exists()
+
+
+def _slow_write(real):
+    def slow(fd: int, data: bytes) -> None:
+        time.sleep(0.2)
+        real(fd, data)
+    return slow
+
+
+def test_another_checkpointer_on_the_directory_waits_for_the_write(tmp_path, monkeypatch):
+    model = _model()
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    first = Checkpointer(tmp_path, blocking=False).save(1, model=model)
+    # Another object sees the checkpoint once written, and its save does not take the
+    # first one's staging directory for a crash's leftover.
+    assert Checkpointer(tmp_path).latest() == first
+    Checkpointer(tmp_path, blocking=False).save(2, model=model)
+    second = Checkpointer(tmp_path)
+    restored = second.restore(model=_model(1))
+    assert restored is not None and restored.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000000001", "step_000000000002"]
+
+
 def test_exit_right_after_save_leaves_a_complete_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import torch, lockstep
         torch.manual_seed(0)
         model = torch.nn.Linear(512, 512)
-        lockstep.Checkpointer({str(tmp_path)!r}, blocking=False).save(3, model=model)
+        lockstep.Checkpointer({str(tmp_path)!r}).save(3, model=model)  # asynchronous by default
         torch.save(model.state_dict(), {str(tmp_path / "ref.pt")!r})
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, env=os.environ)

@@ -27,7 +27,7 @@ from typing import Any
 
 from lockstep.checkpoint.writing import write_files
 
-__all__ = ["BackgroundSave", "finish_on_sigterm"]
+__all__ = ["BackgroundSave", "finish_on_sigterm", "wait_for_writes"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,18 @@ class BackgroundSave:
 
 
 _PENDING: weakref.WeakSet[BackgroundSave] = weakref.WeakSet()
+
+
+def wait_for_writes(directory: Path) -> None:
+    """Wait for this process's asynchronous writes into ``directory``, whichever
+    ``Checkpointer`` started them: another object on the same directory must not read a
+    checkpoint before it is published, nor clear its staging directory as a crash's leftover.
+    Their errors stay with the object that started them (raised by its next call).
+    """
+    target = os.path.abspath(directory)
+    for pending in list(_PENDING):
+        if os.path.abspath(pending.final.parent) == target:
+            pending.join()
 
 
 def finish_on_sigterm() -> None:

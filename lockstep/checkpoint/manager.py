@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm
+from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm, wait_for_writes
 from lockstep.checkpoint.directory import (
     check_directory,
     checkpoint_files,
@@ -93,8 +93,9 @@ class Checkpointer:
         timeout: seconds a rank waits for the others to enter :meth:`save`/:meth:`restore`
             before failing with the names of those that did not (the default matches the
             process group's 10 minutes, after which the save's collectives would fail anyway).
-        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
-            asynchronous (a snapshot in host memory, written by a background thread).
+        blocking: the default of :meth:`save`'s ``blocking``: ``False`` (the default) makes
+            every save asynchronous (a snapshot in host memory, written by a background
+            thread); ``True`` writes before ``save()`` returns.
 
     Example::
 
@@ -114,7 +115,7 @@ class Checkpointer:
         *,
         process_group: Any = None,
         timeout: float = 600.0,
-        blocking: bool = True,
+        blocking: bool = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -236,9 +237,9 @@ class Checkpointer:
     ) -> Path:
         """Write a checkpoint for ``step``; call on every rank.
 
-        With ``blocking=False`` the save is asynchronous: it returns once a copy of the state is
-        in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the checkpoint
-        directory appears when every rank has written. The next ``save()``, :meth:`wait`,
+        By default (``blocking=False``) the save is asynchronous: it returns once a copy of the
+        state is in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the
+        checkpoint directory appears when every rank has written. The next ``save()``, :meth:`wait`,
         ``restore()``, the end of the process and a SIGTERM wait for it; an error in the write is
         raised by the next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only
         once it is on disk, raising any error itself.
@@ -250,7 +251,7 @@ class Checkpointer:
             **objects: name -> object with ``state_dict()``, e.g. ``model=model``; one with
                 ``sharded_state_dict()`` is written one piece per rank (see ``sharded``).
             blocking: write before returning (``False``: in a background thread); ``None``:
-                the ``blocking`` given to the constructor (``True`` unless told otherwise).
+                the ``blocking`` given to the constructor (``False`` unless told otherwise).
 
         Returns:
             The directory of the new checkpoint (asynchronous: where it will appear).
@@ -268,6 +269,7 @@ class Checkpointer:
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
         self._settle()
+        wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
         rank, world = self._rank_and_world()
         final = self.directory / dir_name(step)
         staging = staging_dir(final)
@@ -323,13 +325,14 @@ class Checkpointer:
 
         Needs no other rank (no collectives), so it can be called anywhere.
         """
-        if self._pending is not None:
-            self._pending.join()  # its error is raised by the next collective call
+        # Saves in flight (this object's or another's) first; errors come with the next save().
+        wait_for_writes(self.directory)
         found = self._intact.newest(self.directory)
         return found[0] if found else None
 
     def _find(self) -> tuple[Path, dict[str, Any]] | None:
         check_directory(self.directory)
+        wait_for_writes(self.directory)  # rank 0's write is published after every rank's
         return self._intact.newest(self.directory)
 
     def restore(self, **objects: Any) -> Restored | None:
