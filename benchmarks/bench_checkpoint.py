@@ -3,13 +3,15 @@
 One process, a model of about ``--mib`` MiB of float32 weights plus Adam's state (3x that)::
 
     python benchmarks/bench_checkpoint.py --mib 64
+    python benchmarks/bench_checkpoint.py --mib 21 --stall-only    # ~64 MiB of state
+    python benchmarks/bench_checkpoint.py --mib 171 --stall-only   # ~512 MiB of state
 
 Prints seconds to save and to resume (read, then load into the model and optimizer) with each,
 and the ratios. ``torch.save`` neither fsyncs nor checksums: that is the difference measured.
 
 Then the stall: how long each way of saving blocks the training loop, taken alternately, best
 of ``--repeats``: ``torch.save``, a copy of the state in memory (``clone()`` of every tensor),
-a blocking ``Checkpointer.save`` and an asynchronous one (``Checkpointer(blocking=False)``; its
+a blocking ``Checkpointer.save(blocking=True)`` and an asynchronous one (the default; its
 background write is waited for outside the timed part, as the next training steps would hide it).
 """
 
@@ -50,11 +52,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stall-only", action="store_true",
+                        help="print only the second table (the stall per save)")
     args = parser.parse_args()
     model, optimizer = build(args.mib)
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp, "plain.pt")
-        ckpt = lockstep.Checkpointer(Path(tmp, "ck"), keep=1)
+        if args.stall_only:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)
+            size = plain.stat().st_size / 2**20
+            stalls = measure_stalls(model, optimizer, Path(tmp), args.repeats, lambda: torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain))
+            print_stalls(stalls, size)
+            return
+        ckpt = lockstep.Checkpointer(Path(tmp, "ck"), keep=1, blocking=True)  # the full cost
         def torch_save() -> None:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)
 
@@ -82,6 +93,10 @@ def main() -> None:
         ratios = f"{save / base_save:.2f}x | {load / base_load:.2f}x"
         print(f"| {how} | {save:.3f} | {load:.3f} | {ratios} |")
     print()
+    print_stalls(stalls, size)
+
+
+def print_stalls(stalls: dict[str, list[float]], size: float) -> None:
     print(f"Stall per save (the loop waits this long), {size:.0f} MiB, taken alternately")
     print("| how | best (s) | median (s) | vs torch.save | vs memory snapshot |")
     print("|---|---|---|---|---|")
@@ -95,8 +110,8 @@ def main() -> None:
 def measure_stalls(
     model: nn.Module, optimizer: torch.optim.Optimizer, tmp: Path, repeats: int, torch_save
 ) -> dict[str, list[float]]:
-    blocking = lockstep.Checkpointer(tmp / "blocking", keep=1)
-    background = lockstep.Checkpointer(tmp / "async", keep=1, blocking=False)
+    blocking = lockstep.Checkpointer(tmp / "blocking", keep=1, blocking=True)
+    background = lockstep.Checkpointer(tmp / "async", keep=1)  # asynchronous: the default
 
     def snapshot() -> None:
         {"model": {k: v.clone() for k, v in model.state_dict().items()},

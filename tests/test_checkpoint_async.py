@@ -54,7 +54,9 @@ def test_snapshot_is_taken_when_save_returns(tmp_path):
 
 def test_async_and_blocking_write_the_same_bytes(tmp_path):
     model = _model()
-    Checkpointer(tmp_path / "a").save(7, model=model, extra={"lr": 0.1}, blocking=False)
+    background = Checkpointer(tmp_path / "a")
+    background.save(7, model=model, extra={"lr": 0.1}, blocking=False)
+    background.wait()  # the files are read directly, not through restore()
     Checkpointer(tmp_path / "b").save(7, model=model, extra={"lr": 0.1}, blocking=True)
     a = ckpt_io.read_verified(tmp_path / "a" / "step_000000000007" / "state.pt")
     b = ckpt_io.read_verified(tmp_path / "b" / "step_000000000007" / "state.pt")

@@ -54,6 +54,7 @@ class BackgroundSave:
         publish: called by rank 0 once every rank has written (rename and prune).
         timeout: seconds rank 0 waits for the other ranks' markers.
         attempt: runs a callable and returns ``(result, error message or None)``.
+        copy: receives each encoded file first (``replicas.MemoryCopies.keep``), if given.
     """
 
     def __init__(
@@ -66,9 +67,11 @@ class BackgroundSave:
         publish: Callable[[], None],
         timeout: float,
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
+        copy: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
         self._files, self._publish, self._attempt = files, publish, attempt
+        self._copy = copy
         self.error: str | None = None  # "rank r: message" of the first failure seen here
         self._deadline = time.monotonic() + timeout  # for rank 0's wait for the other ranks
         self._thread = threading.Thread(
@@ -87,7 +90,7 @@ class BackgroundSave:
         return self.error
 
     def _run(self) -> None:
-        _, error = self._attempt(lambda: write_files(self.staging, self._files))
+        _, error = self._attempt(lambda: write_files(self.staging, self._files, self._copy))
         self._files = {}  # the snapshot's buffers stay with the Snapshot for the next save
         if self.rank != 0:
             self._leave_marker(error)

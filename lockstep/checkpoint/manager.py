@@ -43,6 +43,8 @@ from lockstep.checkpoint.directory import (
 from lockstep.checkpoint.io import CheckpointError, describe_os_error
 from lockstep.checkpoint.loading import IntactCheckpoints, load_into
 from lockstep.checkpoint.meeting import check_agreement, meet
+from lockstep.checkpoint.replicas import MemoryCopies, default_memory_root
+from lockstep.checkpoint.restoring import memory_copy, restore_from_memory
 from lockstep.checkpoint.sharded import saves_sharded, shard_writers
 from lockstep.checkpoint.snapshot import Snapshot
 from lockstep.checkpoint.writing import (
@@ -66,8 +68,9 @@ class Restored:
         step: the step passed to :meth:`Checkpointer.save`.
         epoch: the epoch passed to :meth:`Checkpointer.save`.
         extra: the ``extra`` dict passed to :meth:`Checkpointer.save`.
-        path: the checkpoint directory read.
+        path: the checkpoint directory read (on disk, also when read from memory).
         world_size: the world size that wrote it.
+        source: ``"disk"``, or ``"memory"`` when its bytes came from the shared-memory copies.
     """
 
     step: int
@@ -75,6 +78,7 @@ class Restored:
     extra: dict[str, Any] = field(default_factory=dict)
     path: Path = Path()
     world_size: int = 1
+    source: str = "disk"  # or "memory": read from the shared-memory copies (``memory=True``)
 
 
 class Checkpointer:
@@ -96,6 +100,10 @@ class Checkpointer:
         blocking: the default of :meth:`save`'s ``blocking``: ``False`` (the default) makes
             every save asynchronous (a snapshot in host memory, written by a background
             thread); ``True`` writes before ``save()`` returns.
+        memory: also keep each rank's files in shared memory (tmpfs) and restore from there
+            when they are all found (see ``replicas.py``); costs tmpfs memory equal to two
+            checkpoints' files. Off for models whose state does not fit there twice.
+        memory_dir: where those copies live (default ``/dev/shm/lockstep-<hash>``).
 
     Example::
 
@@ -116,6 +124,8 @@ class Checkpointer:
         process_group: Any = None,
         timeout: float = 600.0,
         blocking: bool = False,
+        memory: bool = False,
+        memory_dir: str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -143,6 +153,11 @@ class Checkpointer:
         self._intact = IntactCheckpoints()
         self._snapshot = Snapshot()  # host buffers of asynchronous saves, reused
         self._pending: BackgroundSave | None = None  # the asynchronous save in flight
+        self._memory: MemoryCopies | None = None
+        if memory:
+            root = Path(memory_dir) if memory_dir is not None else default_memory_root(
+                self.directory)
+            self._memory = MemoryCopies(root)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -201,6 +216,22 @@ class Checkpointer:
         out: list[Any] = [None] * self._rank_and_world()[1]
         dist.all_gather_object(out, value, group=self.process_group)
         return out
+
+    def _broadcast(self, value: Any, src: int) -> Any:
+        """``value`` of group rank ``src``, on every rank."""
+        if self._rank_and_world()[1] == 1:
+            return value
+        if self.process_group is not None:
+            src = dist.get_global_rank(self.process_group, src)
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=self.process_group)
+        return box[0]
+
+    def close(self) -> None:
+        """Wait for the save in flight and remove this rank's shared-memory copies, if any."""
+        self._settle()
+        if self._memory is not None:
+            self._memory.clear()
 
     def _agree(self, what: str, error: str | None, cleanup: Callable[[], None] | None = None):
         """Raise the same error on every rank if any rank failed at ``what``."""
@@ -292,9 +323,10 @@ class Checkpointer:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
 
+        copy = memory_copy(self._memory, step, rank) if self._memory is not None else None
         files, error = self._attempt(collect)
         if blocking and not error:
-            error = self._attempt(lambda: write_files(staging, files))[1]
+            error = self._attempt(lambda: write_files(staging, files, copy))[1]
         # A state that cannot be saved is reported now, asynchronous or not.
         self._agree(f"saving checkpoint {final}", error, drop_staging)
         if not blocking:
@@ -302,7 +334,7 @@ class Checkpointer:
             publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
-                self.timeout.total_seconds(), self._attempt,
+                self.timeout.total_seconds(), self._attempt, copy,
             )
             return final
         files_list = checkpoint_files(world, writers)
@@ -353,6 +385,15 @@ class Checkpointer:
         self._check_agreement("restore()")
         self._settle()
         rank = self._rank_and_world()[0]
+        if self._memory is not None:
+            from_memory = restore_from_memory(
+                self._memory, self.directory, rank, objects, self._gather, self._broadcast,
+                self._attempt)
+            if from_memory is not None:
+                path, state = from_memory
+                meta = state["meta"]
+                return Restored(step=meta["step"], epoch=meta["epoch"], extra=state["extra"],
+                                path=path, world_size=meta["world_size"], source="memory")
         found, error = self._attempt(self._find) if rank == 0 else (None, None)
         choice, error = self._gather((found[0].name if found else None, error))[0]
         if error:
