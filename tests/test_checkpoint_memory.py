@@ -108,12 +108,23 @@ def _two_machines(rank: int, directory: str, out: str) -> None:
         torch.save(restored[1:3], Path(out) / f"{mode}{rank}.pt")
     results["expected_rng"] = expected[0]
     torch.save(expected[1], Path(out) / f"expected{rank}.pt")
+    # Rank 1's machine is lost: its tmpfs is empty; rank 0's holds rank 1's files (the ring).
+    ckpt.save(8, model=model, optimizer=optimizer)
+    ckpt.wait()  # and replicates step 8 to the next rank's machine
+    after_save = torch.rand(3).tolist()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(memory)
+    dist.barrier()
+    restored = _restore(Checkpointer(Path(directory) / "ck", memory=True, memory_dir=memory))
+    results["lost"] = {"source": restored[0].source, "step": restored[0].step,
+                       "rng": torch.rand(3).tolist(), "expected_rng": after_save}
     dist.barrier()
     Path(out, f"result{rank}.json").write_text(json.dumps(results))
 
 
 @pytest.mark.multirank
-def test_world_of_two_restores_from_memory_across_machines(tmp_path):
+def test_world_of_two_restores_from_memory_across_machines_and_after_one_is_lost(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     lockstep.spawn(_two_machines, 2, (str(tmp_path), str(out)), timeout=120)
@@ -125,6 +136,9 @@ def test_world_of_two_restores_from_memory_across_machines(tmp_path):
         memory, disk = torch.load(out / f"memory{rank}.pt"), torch.load(out / f"disk{rank}.pt")
         assert _same(memory, disk)
         assert _same(memory[0], rank0_model)  # rank 0's state, also on rank 1
-    # rank 1's machine received state.pt from rank 0's; each kept its own RNG file
-    assert sorted(p.name for p in (tmp_path / "shm1" / "step_000000000007").iterdir()) == [
+        lost = result["lost"]
+        assert lost["source"] == "memory" and lost["step"] == 8, lost
+        assert lost["rng"] == lost["expected_rng"]
+    # rank 1's new machine received its files back from rank 0's
+    assert sorted(p.name for p in (tmp_path / "shm1" / "step_000000000008").iterdir()) == [
         "rng-rank00000.pt", "rng-rank00001.pt", "state.pt"]

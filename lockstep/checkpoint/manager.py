@@ -44,7 +44,13 @@ from lockstep.checkpoint.io import CheckpointError, describe_os_error
 from lockstep.checkpoint.loading import IntactCheckpoints, load_into
 from lockstep.checkpoint.meeting import check_agreement, meet
 from lockstep.checkpoint.replicas import MemoryCopies, default_memory_root
-from lockstep.checkpoint.restoring import memory_copy, restore_from_memory
+from lockstep.checkpoint.restoring import (
+    broadcast_from,
+    memory_copy,
+    replicate_to_peer,
+    restore_from_memory,
+    ring_exchange,
+)
 from lockstep.checkpoint.sharded import saves_sharded, shard_writers
 from lockstep.checkpoint.snapshot import Snapshot
 from lockstep.checkpoint.writing import (
@@ -158,6 +164,7 @@ class Checkpointer:
             root = Path(memory_dir) if memory_dir is not None else default_memory_root(
                 self.directory)
             self._memory = MemoryCopies(root)
+        self._unreplicated: int | None = None  # the step whose files no peer holds yet
 
     @property
     def snapshot_bytes(self) -> int:
@@ -172,6 +179,16 @@ class Checkpointer:
                 the previous checkpoint is then the newest one.
         """
         self._settle()
+        self._replicate()
+
+    def _replicate(self) -> None:
+        """With ``memory=True``, copy the last save's files to the next rank's machine."""
+        step, self._unreplicated = self._unreplicated, None
+        rank, world = self._rank_and_world()
+        if self._memory is None or step is None or world == 1:
+            return
+        exchange = partial(ring_exchange, rank=rank, group=self.process_group)
+        replicate_to_peer(self._memory, step, rank, world, self._gather, exchange)
 
     def _settle(self) -> None:
         """Finish the save in flight and raise its error, if any, on every rank."""
@@ -216,16 +233,6 @@ class Checkpointer:
         out: list[Any] = [None] * self._rank_and_world()[1]
         dist.all_gather_object(out, value, group=self.process_group)
         return out
-
-    def _broadcast(self, value: Any, src: int) -> Any:
-        """``value`` of group rank ``src``, on every rank."""
-        if self._rank_and_world()[1] == 1:
-            return value
-        if self.process_group is not None:
-            src = dist.get_global_rank(self.process_group, src)
-        box = [value]
-        dist.broadcast_object_list(box, src=src, group=self.process_group)
-        return box[0]
 
     def close(self) -> None:
         """Wait for the save in flight and remove this rank's shared-memory copies, if any."""
@@ -300,6 +307,7 @@ class Checkpointer:
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
         self._settle()
+        self._replicate()  # the previous save's files, now written, to the next rank's memory
         wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
         rank, world = self._rank_and_world()
         final = self.directory / dir_name(step)
@@ -329,6 +337,7 @@ class Checkpointer:
             error = self._attempt(lambda: write_files(staging, files, copy))[1]
         # A state that cannot be saved is reported now, asynchronous or not.
         self._agree(f"saving checkpoint {final}", error, drop_staging)
+        self._unreplicated = step if self._memory is not None else None
         if not blocking:
             finish_on_sigterm()
             publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
@@ -386,8 +395,10 @@ class Checkpointer:
         self._settle()
         rank = self._rank_and_world()[0]
         if self._memory is not None:
+            broadcast = partial(broadcast_from, world=self._rank_and_world()[1],
+                                group=self.process_group)
             from_memory = restore_from_memory(
-                self._memory, self.directory, rank, objects, self._gather, self._broadcast,
+                self._memory, self.directory, rank, objects, self._gather, broadcast,
                 self._attempt)
             if from_memory is not None:
                 path, state = from_memory

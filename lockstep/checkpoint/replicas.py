@@ -63,7 +63,7 @@ class MemoryCopies:
         if not self._started:
             self._started = True
             self._drop_stale(name)  # an earlier run's copies of this rank's files
-        self.keep_received(step, name, payload)
+        self._write(step, name, payload)
         self._mine.setdefault(step, []).append(name)
         for old in sorted(self._mine)[:-_KEEP_STEPS]:
             self._remove(old, self._mine.pop(old))
@@ -124,7 +124,6 @@ class MemoryCopies:
                 complete = False
             elif rank not in holders:
                 self.keep_received(step, name, payload)
-                self._mine.setdefault(step, []).append(name)
         return self.step_dir(step) if complete else None
 
     def _read_or_none(self, step: int, name: str) -> bytes | None:
@@ -134,7 +133,13 @@ class MemoryCopies:
             return None
 
     def keep_received(self, step: int, name: str, payload: bytes) -> None:
-        """Write a file of ``step`` received from another machine (or one of this rank's)."""
+        """Write a file of ``step`` received from another machine."""
+        self._write(step, name, payload)
+        self._mine.setdefault(step, []).append(name)
+        for old in sorted(self._mine)[:-_KEEP_STEPS]:
+            self._remove(old, self._mine.pop(old))
+
+    def _write(self, step: int, name: str, payload: bytes) -> None:
         folder = self.step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{name}.{os.getpid()}.tmp"

@@ -13,13 +13,21 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lockstep.checkpoint.directory import STATE_FILE, checkpoint_files, complete_dirs
+import torch.distributed as dist
+
+from lockstep.checkpoint.directory import STATE_FILE, checkpoint_files, complete_dirs, rng_file
 from lockstep.checkpoint.io import read_verified
 from lockstep.checkpoint.loading import load_into
 from lockstep.checkpoint.replicas import MemoryCopies
-from lockstep.checkpoint.sharded import shard_ranks
+from lockstep.checkpoint.sharded import shard_file, shard_ranks
 
-__all__ = ["memory_copy", "restore_from_memory"]
+__all__ = [
+    "broadcast_from",
+    "memory_copy",
+    "replicate_to_peer",
+    "restore_from_memory",
+    "ring_exchange",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,34 @@ def memory_copy(memory: MemoryCopies, step: int, rank: int) -> Callable[[str, by
                            "restoring it will read the disk", rank, name, step, memory.root, exc)
 
     return copy
+
+
+def replicate_to_peer(
+    memory: MemoryCopies,
+    step: int,
+    rank: int,
+    world: int,
+    gather: Callable[[Any], list[Any]],
+    exchange: Callable[[Any, int, int], Any],
+) -> None:
+    """Copy this rank's files of ``step`` into the memory of rank ``rank + 1``'s machine (a
+    ring: rank r holds rank r-1's), so a lost machine's files survive on the next one.
+
+    Skipped where the next rank's machine already holds them (ranks on one machine share its
+    tmpfs). ``exchange(value, dst, src)`` sends ``value`` to ``dst`` and returns what ``src``
+    sent; every rank calls this at the same point (inside ``save()``/``wait()``).
+    """
+    held = memory.held(step)
+    own = {STATE_FILE} if rank == 0 else set()
+    own |= {rng_file(rank), shard_file(rank)}
+    holdings = gather(held)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    send = {}
+    if not own.issubset(holdings[nxt]):
+        send = {name: memory.read(step, name) for name in held if name in own}
+    got = exchange(send or None, nxt, prev)
+    for name, payload in (got or {}).items():
+        memory.keep_received(step, name, payload)
 
 
 def restore_from_memory(
@@ -83,3 +119,29 @@ def restore_from_memory(
 
 def _anyone(errors: list[Any]) -> bool:
     return any(e is not None for e in errors)
+
+
+def broadcast_from(value: Any, src: int, *, world: int, group: Any = None) -> Any:
+    """``value`` of group rank ``src``, on every rank of ``group``."""
+    if world == 1:
+        return value
+    if group is not None:
+        src = dist.get_global_rank(group, src)
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def ring_exchange(value: Any, dst: int, src: int, *, rank: int, group: Any = None) -> Any:
+    """Send ``value`` to group rank ``dst`` and return what ``src`` sent. Even ranks send first,
+    odd ranks receive first, so a ring of blocking sends cannot wait on itself."""
+    to = dst if group is None else dist.get_global_rank(group, dst)
+    frm = src if group is None else dist.get_global_rank(group, src)
+    box: list[Any] = [None]
+    if rank % 2 == 0:
+        dist.send_object_list([value], dst=to, group=group)
+        dist.recv_object_list(box, src=frm, group=group)
+    else:
+        dist.recv_object_list(box, src=frm, group=group)
+        dist.send_object_list([value], dst=to, group=group)
+    return box[0]
