@@ -235,7 +235,8 @@ class Checkpointer:
         return out
 
     def close(self) -> None:
-        """Wait for the save in flight and remove this rank's shared-memory copies, if any."""
+        """Wait for the save in flight and remove this rank's shared-memory copies, if any;
+        call on every rank."""
         self._settle()
         if self._memory is not None:
             self._memory.clear()

@@ -4,7 +4,8 @@ With ``Checkpointer(directory, memory=True)`` every rank also writes the bytes o
 (the same checksummed bytes that go to disk) into a tmpfs directory, by default
 ``/dev/shm/lockstep-<hash of directory>/step_…/``: a worker's death does not free it (a
 restarted worker on the same machine finds it), a machine's loss does. Ranks on one machine
-share that directory, so on one machine it holds whole checkpoints.
+share that directory, so on one machine it holds whole checkpoints; the next save sends each
+rank's files to the next rank's machine too (``restoring.replicate_to_peer``: a ring).
 
 ``restore()`` reads the newest checkpoint on disk from memory when the copies of all its files
 can be found there: each rank uses the files its machine holds and receives the others over the
