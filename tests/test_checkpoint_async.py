@@ -111,11 +111,46 @@ def test_saves_are_asynchronous_by_default(tmp_path, monkeypatch):
     assert path.exists()
 
 
-def _slow_write(real):
+def _slow_write(real, seconds: float = 0.2):
     def slow(fd: int, data: bytes) -> None:
-        time.sleep(0.2)
+        time.sleep(seconds)
         real(fd, data)
     return slow
+
+
+def test_when_busy_skip_drops_saves_while_the_previous_is_written(tmp_path, monkeypatch):
+    model = _model()
+    ckpt = Checkpointer(tmp_path, when_busy="skip")
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    ckpt.save(1, model=model)
+    skipped = ckpt.save(2, model=model)  # returns at once: step 1 is still being written
+    ckpt.wait()
+    assert not skipped.exists() and ckpt.latest() == tmp_path / "step_000000000001"
+    ckpt.save(3, model=model, blocking=True)  # a blocking save is never skipped
+    assert ckpt.latest() == tmp_path / "step_000000000003"
+    with pytest.raises(ValueError, match="when_busy"):
+        Checkpointer(tmp_path, when_busy="drop")
+
+
+def _skip_on_two_ranks(rank: int, directory: str) -> None:
+    lockstep.init_distributed()
+    if rank == 0:  # only rank 0 writes slowly: rank 1, done with its files, must skip too
+        ckpt_io._write_fully = _slow_write(ckpt_io._write_fully, 1.0)  # type: ignore[assignment]
+    ckpt = Checkpointer(directory, when_busy="skip")
+    ckpt.save(1, model=_model())
+    if rank == 1:
+        time.sleep(0.5)  # its own write is done by now (rank 0's takes 2 s)
+    ckpt.save(2, model=_model())
+    ckpt.wait()
+    Path(directory, f"latest{rank}").write_text(str(ckpt.latest()))
+
+
+@pytest.mark.multirank
+def test_when_busy_skip_is_decided_by_all_ranks(tmp_path):
+    lockstep.spawn(_skip_on_two_ranks, 2, (str(tmp_path),), timeout=120)
+    for rank in range(2):
+        assert (tmp_path / f"latest{rank}").read_text().endswith("step_000000000001")
+    assert not (tmp_path / "step_000000000002").exists()
 
 
 def test_another_checkpointer_on_the_directory_waits_for_the_write(tmp_path, monkeypatch):

@@ -84,6 +84,10 @@ class BackgroundSave:
         """Wait at most ``seconds`` more for the other ranks (the process is being stopped)."""
         self._deadline = min(self._deadline, time.monotonic() + seconds)
 
+    def running(self) -> bool:
+        """Whether the write (or, on rank 0, the wait for the others and the publish) goes on."""
+        return self._thread.is_alive()
+
     def join(self) -> str | None:
         """Wait for the write (and, on rank 0, the publish); the error seen here, if any."""
         self._thread.join()

@@ -110,6 +110,9 @@ class Checkpointer:
             when they are all found (see ``replicas.py``); costs tmpfs memory equal to two
             checkpoints' files. Off for models whose state does not fit there twice.
         memory_dir: where those copies live (default ``/dev/shm/lockstep-<hash>``).
+        when_busy: what an asynchronous :meth:`save` does while the previous one is still
+            being written on some rank: ``"wait"`` for it, or ``"skip"`` this save (nothing is
+            written for that step; for saving every step at the pace the disk allows).
 
     Example::
 
@@ -132,6 +135,7 @@ class Checkpointer:
         blocking: bool = False,
         memory: bool = False,
         memory_dir: str | os.PathLike | None = None,
+        when_busy: str = "wait",
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -149,6 +153,9 @@ class Checkpointer:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f'when_busy must be "wait" or "skip", got {when_busy!r}')
+        self.when_busy = when_busy
         self.blocking = blocking
         self.directory = Path(directory)
         self.keep = keep
@@ -180,6 +187,11 @@ class Checkpointer:
         """
         self._settle()
         self._replicate()
+
+    def _busy(self) -> bool:
+        """Whether any rank's previous asynchronous save is still being written."""
+        busy = self._pending is not None and self._pending.running()
+        return any(self._gather(busy))
 
     def _replicate(self) -> None:
         """With ``memory=True``, copy the last save's files to the next rank's machine."""
@@ -293,7 +305,8 @@ class Checkpointer:
                 the ``blocking`` given to the constructor (``False`` unless told otherwise).
 
         Returns:
-            The directory of the new checkpoint (asynchronous: where it will appear).
+            The directory of the new checkpoint (asynchronous: where it will appear; with
+            ``when_busy="skip"``, a skipped save's directory never appears).
 
         Raises:
             CheckpointError: on every rank, naming the rank and file, if any rank could not
@@ -307,6 +320,9 @@ class Checkpointer:
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
+        if not blocking and self.when_busy == "skip" and self._busy():
+            logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
+            return self.directory / dir_name(step)
         self._settle()
         self._replicate()  # the previous save's files, now written, to the next rank's memory
         wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
