@@ -9,6 +9,9 @@ same step), saving every ``--every`` steps and resuming from the newest checkpoi
 - ``--mode lockstep-memory``: asynchronous saves, ``Checkpointer(memory=True)``: restores read
   the copies in shared memory (``/dev/shm``).
 
+With ``--every 1`` the lockstep modes pass ``when_busy="skip"``: a save that finds the previous
+one still being written is skipped, so the loop saves as often as the disk allows.
+
 Each rank writes its pid to ``pid-rank<r>`` so the benchmark can kill it; rank 0 writes the
 step reached to ``--out`` at the deadline.
 """
@@ -61,7 +64,8 @@ def main() -> None:
             step = state["step"]
     else:
         ckpt = lockstep.Checkpointer(work / "ckpt", keep=2, blocking=args.mode == "lockstep",
-                                     memory=args.mode == "lockstep-memory")
+                                     memory=args.mode == "lockstep-memory",
+                                     when_busy="skip" if args.every == 1 else "wait")
         resumed = ckpt.restore(model=model, optimizer=optimizer)
         step = resumed.step if resumed else 0
     stop = torch.zeros(1)
