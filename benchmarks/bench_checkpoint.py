@@ -5,6 +5,7 @@ One process, a model of about ``--mib`` MiB of float32 weights plus Adam's state
     python benchmarks/bench_checkpoint.py --mib 64
     python benchmarks/bench_checkpoint.py --mib 21 --stall-only    # ~64 MiB of state
     python benchmarks/bench_checkpoint.py --mib 171 --stall-only   # ~512 MiB of state
+    OMP_NUM_THREADS=1 python benchmarks/bench_checkpoint.py --every-step --repeats 3
 
 Prints seconds to save and to resume (read, then load into the model and optimizer) with each,
 and the ratios. ``torch.save`` neither fsyncs nor checksums: that is the difference measured.
@@ -54,7 +55,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stall-only", action="store_true",
                         help="print only the second table (the stall per save)")
+    parser.add_argument("--every-step", action="store_true",
+                        help="only the cost of saving every step of a small MLP")
     args = parser.parse_args()
+    if args.every_step:
+        every_step(args.repeats)
+        return
     model, optimizer = build(args.mib)
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp, "plain.pt")
@@ -105,6 +111,38 @@ def print_stalls(stalls: dict[str, list[float]], size: float) -> None:
         best = min(times)
         print(f"| {how} | {best:.3f} | {statistics.median(times):.3f} | {best / base:.2f}x | "
               f"{best / snap:.2f}x |")
+
+
+def every_step(repeats: int, steps: int = 100, width: int = 256) -> None:
+    """Milliseconds per training step of a small MLP, saving every step or not (alternately)."""
+    net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                        nn.Linear(width, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    ways = {"no checkpoint": None, 'save() every step, when_busy="skip"': {"when_busy": "skip"},
+            "save() every step (waits for the previous write)": {},
+            "save(blocking=True) every step": {"blocking": True}}
+    times: dict[str, list[float]] = {how: [] for how in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for i, (how, kwargs) in enumerate(ways.items()):
+                ckpt = (None if kwargs is None
+                        else lockstep.Checkpointer(Path(tmp, f"{repeat}-{i}"), keep=2, **kwargs))
+                start = time.perf_counter()
+                for step in range(1, steps + 1):
+                    optimizer.zero_grad()
+                    net(torch.randn(64, width)).pow(2).mean().backward()
+                    optimizer.step()
+                    if ckpt is not None:
+                        ckpt.save(step, model=net, optimizer=optimizer)
+                if ckpt is not None:
+                    ckpt.wait()
+                times[how].append((time.perf_counter() - start) / steps * 1e3)
+    base = min(times["no checkpoint"])
+    print(f"Saving every step: a {width}-wide MLP, {steps} steps, best of {repeats}")
+    print("| how | ms per step | vs no checkpoint |")
+    print("|---|---|---|")
+    for how, values in times.items():
+        print(f"| {how} | {min(values):.2f} | {min(values) / base:.2f}x |")
 
 
 def measure_stalls(
