@@ -8,7 +8,9 @@ seconds, and compares the steps reached (steps redone after a restore count once
 
 Modes: ``torchrun`` (torch's DDP, ``torch.save`` by rank 0, ``torchrun --max-restarts``: the
 usual recipe), ``lockstep`` (``lockstep run --max-restarts``, blocking ``Checkpointer``) and
-``lockstep-async`` (the same with ``Checkpointer(blocking=False)``). Prints one table row per
+``lockstep-async`` (the same with asynchronous saves, the default), ``lockstep-memory``
+(asynchronous, ``Checkpointer(memory=True)``: restores read ``/dev/shm``) and
+``lockstep-memory-every-step`` (the same, saving every step). Prints one table row per
 mode: steps without and with kills, goodput (their ratio), kills, and training time lost per
 kill, ``(steps without - steps with) / failure-free steps per second / kills``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from lockstep.checkpoint.replicas import default_memory_root
+
 TRAIN = Path(__file__).with_name("goodput_train.py")
-MODES = {"torchrun": "torch", "lockstep": "lockstep", "lockstep-async": "lockstep-async"}
+# mode -> (goodput_train.py --mode, checkpoint every N steps: None = --every)
+MODES: dict[str, tuple[str, int | None]] = {
+    "torchrun": ("torch", None),
+    "lockstep": ("lockstep", None),
+    "lockstep-async": ("lockstep-async", None),
+    "lockstep-memory": ("lockstep-memory", None),
+    "lockstep-memory-every-step": ("lockstep-memory", 1),
+}
 
 
 def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> subprocess.Popen:
@@ -35,8 +47,8 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> su
     else:
         runner = [sys.executable, "-m", "lockstep", "run"]
     command = [*runner, "--max-restarts", "1000", "--nproc-per-node", str(world), str(TRAIN),
-               "--mode", MODES[mode], "--work", str(work), "--deadline", str(deadline),
-               "--every", str(every)]
+               "--mode", MODES[mode][0], "--work", str(work), "--deadline", str(deadline),
+               "--every", str(MODES[mode][1] or every)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (work / "log.txt").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -70,7 +82,9 @@ def run_once(mode: str, world: int, seconds: float, kill_every: float | None, ev
         if proc.returncode != 0 or not steps_file.exists():
             raise RuntimeError(f"{mode} failed ({proc.returncode}):\n"
                                f"{(work / 'log.txt').read_text()[-3000:]}")
-        return int(steps_file.read_text()), kills
+        steps = int(steps_file.read_text())
+    shutil.rmtree(default_memory_root(work / "ckpt"), ignore_errors=True)  # a killed run's copies
+    return steps, kills
 
 
 def main() -> None:

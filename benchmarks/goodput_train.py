@@ -5,7 +5,12 @@ same step), saving every ``--every`` steps and resuming from the newest checkpoi
 
 - ``--mode torch``: torch's DDP, ``torch.save``/``torch.load`` by rank 0 (run under torchrun);
 - ``--mode lockstep``: lockstep's DDP and ``Checkpointer`` (blocking saves);
-- ``--mode lockstep-async``: the same with ``Checkpointer(blocking=False)``.
+- ``--mode lockstep-async``: the same with asynchronous saves (the default);
+- ``--mode lockstep-memory``: asynchronous saves, ``Checkpointer(memory=True)``: restores read
+  the copies in shared memory (``/dev/shm``).
+
+With ``--every 1`` the lockstep modes pass ``when_busy="skip"``: a save that finds the previous
+one still being written is skipped, so the loop saves as often as the disk allows.
 
 Each rank writes its pid to ``pid-rank<r>`` so the benchmark can kill it; rank 0 writes the
 step reached to ``--out`` at the deadline.
@@ -27,7 +32,7 @@ import lockstep
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["torch", "lockstep", "lockstep-async"], required=True)
+    parser.add_argument("--mode", choices=["torch", "lockstep", "lockstep-async", "lockstep-memory"], required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--deadline", type=float, required=True, help="time.time() to stop at")
     parser.add_argument("--every", type=int, default=20)
@@ -58,7 +63,9 @@ def main() -> None:
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]
     else:
-        ckpt = lockstep.Checkpointer(work / "ckpt", keep=2, blocking=args.mode == "lockstep")
+        ckpt = lockstep.Checkpointer(work / "ckpt", keep=2, blocking=args.mode == "lockstep",
+                                     memory=args.mode == "lockstep-memory",
+                                     when_busy="skip" if args.every == 1 else "wait")
         resumed = ckpt.restore(model=model, optimizer=optimizer)
         step = resumed.step if resumed else 0
     stop = torch.zeros(1)
@@ -82,7 +89,7 @@ def main() -> None:
                             "step": step}, tmp)
                 os.replace(tmp, work / "torch-ckpt.pt")
     if ckpt is not None:
-        ckpt.wait()
+        ckpt.close()  # waits for the last save; removes the shared-memory copies
     if rank == 0:
         Path(work / "steps").write_text(str(step))
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def test_snapshot_is_taken_when_save_returns(tmp_path):
 
 def test_async_and_blocking_write_the_same_bytes(tmp_path):
     model = _model()
-    Checkpointer(tmp_path / "a").save(7, model=model, extra={"lr": 0.1}, blocking=False)
+    background = Checkpointer(tmp_path / "a")
+    background.save(7, model=model, extra={"lr": 0.1}, blocking=False)
+    background.wait()  # the files are read directly, not through restore()
     Checkpointer(tmp_path / "b").save(7, model=model, extra={"lr": 0.1}, blocking=True)
     a = ckpt_io.read_verified(tmp_path / "a" / "step_000000000007" / "state.pt")
     b = ckpt_io.read_verified(tmp_path / "b" / "step_000000000007" / "state.pt")
@@ -95,12 +98,81 @@ def test_background_error_surfaces_at_next_call_naming_the_file(tmp_path, monkey
     assert ckpt.latest() == tmp_path / "step_000000000003"
 
 
+def test_saves_are_asynchronous_by_default(tmp_path, monkeypatch):
+    model = _model()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.blocking is False
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    path = ckpt.save(1, model=model)
+    assert not path.exists()  # the write is still running when save() returns
+    weights = sum(t.numel() * t.element_size() for t in _state(model).values())
+    assert ckpt.snapshot_bytes >= weights  # the weights, plus the RNG states
+    ckpt.wait()
+    assert path.exists()
+
+
+def _slow_write(real, seconds: float = 0.2):
+    def slow(fd: int, data: bytes) -> None:
+        time.sleep(seconds)
+        real(fd, data)
+    return slow
+
+
+def test_when_busy_skip_drops_saves_while_the_previous_is_written(tmp_path, monkeypatch):
+    model = _model()
+    ckpt = Checkpointer(tmp_path, when_busy="skip")
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    ckpt.save(1, model=model)
+    skipped = ckpt.save(2, model=model)  # returns at once: step 1 is still being written
+    ckpt.wait()
+    assert not skipped.exists() and ckpt.latest() == tmp_path / "step_000000000001"
+    ckpt.save(3, model=model, blocking=True)  # a blocking save is never skipped
+    assert ckpt.latest() == tmp_path / "step_000000000003"
+    with pytest.raises(ValueError, match="when_busy"):
+        Checkpointer(tmp_path, when_busy="drop")
+
+
+def _skip_on_two_ranks(rank: int, directory: str) -> None:
+    lockstep.init_distributed()
+    if rank == 0:  # only rank 0 writes slowly: rank 1, done with its files, must skip too
+        ckpt_io._write_fully = _slow_write(ckpt_io._write_fully, 1.0)  # type: ignore[assignment]
+    ckpt = Checkpointer(directory, when_busy="skip")
+    ckpt.save(1, model=_model())
+    if rank == 1:
+        time.sleep(0.5)  # its own write is done by now (rank 0's takes 2 s)
+    ckpt.save(2, model=_model())
+    ckpt.wait()
+    Path(directory, f"latest{rank}").write_text(str(ckpt.latest()))
+
+
+@pytest.mark.multirank
+def test_when_busy_skip_is_decided_by_all_ranks(tmp_path):
+    lockstep.spawn(_skip_on_two_ranks, 2, (str(tmp_path),), timeout=120)
+    for rank in range(2):
+        assert (tmp_path / f"latest{rank}").read_text().endswith("step_000000000001")
+    assert not (tmp_path / "step_000000000002").exists()
+
+
+def test_another_checkpointer_on_the_directory_waits_for_the_write(tmp_path, monkeypatch):
+    model = _model()
+    monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))
+    first = Checkpointer(tmp_path, blocking=False).save(1, model=model)
+    # Another object sees the checkpoint once written, and its save does not take the
+    # first one's staging directory for a crash's leftover.
+    assert Checkpointer(tmp_path).latest() == first
+    Checkpointer(tmp_path, blocking=False).save(2, model=model)
+    second = Checkpointer(tmp_path)
+    restored = second.restore(model=_model(1))
+    assert restored is not None and restored.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000000001", "step_000000000002"]
+
+
 def test_exit_right_after_save_leaves_a_complete_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import torch, lockstep
         torch.manual_seed(0)
         model = torch.nn.Linear(512, 512)
-        lockstep.Checkpointer({str(tmp_path)!r}, blocking=False).save(3, model=model)
+        lockstep.Checkpointer({str(tmp_path)!r}).save(3, model=model)  # asynchronous by default
         torch.save(model.state_dict(), {str(tmp_path / "ref.pt")!r})
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, env=os.environ)

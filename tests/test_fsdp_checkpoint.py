@@ -100,6 +100,7 @@ def test_sharded_checkpoint_of_one_process_loads_into_a_plain_model(tmp_path):
     _steps(model, opt, 0, SAVE_AT, 0, 1)
     ckpt = lockstep.Checkpointer(tmp_path)
     ckpt.save(SAVE_AT, model=ModelState(model), optimizer=OptimizerState(model, opt))
+    ckpt.wait()  # saves are asynchronous: the files are on disk once wait() returns
     assert sorted(p.name for p in (tmp_path / "step_000000000002").iterdir()) == [
         "rng-rank00000.pt", "shard-rank00000.pt", "state.pt"]
     plain = _model()
@@ -119,6 +120,7 @@ def test_damaged_shard_file_is_skipped_and_other_models_are_refused(tmp_path):
     for step in (1, 2):
         _steps(model, opt, step - 1, step, 0, 1)
         ckpt.save(step, model=ModelState(model), optimizer=OptimizerState(model, opt))
+    ckpt.wait()  # saves are asynchronous: the files are on disk once wait() returns
     shard = tmp_path / "step_000000000002" / "shard-rank00000.pt"
     shard.write_bytes(shard.read_bytes()[:-10])  # cut short: the checksum catches it
     with pytest.warns(UserWarning, match="skipping damaged checkpoint"):

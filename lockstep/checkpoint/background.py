@@ -27,7 +27,7 @@ from typing import Any
 
 from lockstep.checkpoint.writing import write_files
 
-__all__ = ["BackgroundSave", "finish_on_sigterm"]
+__all__ = ["BackgroundSave", "finish_on_sigterm", "wait_for_writes"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class BackgroundSave:
         publish: called by rank 0 once every rank has written (rename and prune).
         timeout: seconds rank 0 waits for the other ranks' markers.
         attempt: runs a callable and returns ``(result, error message or None)``.
+        copy: receives each encoded file first (``replicas.MemoryCopies.keep``), if given.
     """
 
     def __init__(
@@ -66,9 +67,11 @@ class BackgroundSave:
         publish: Callable[[], None],
         timeout: float,
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
+        copy: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
         self._files, self._publish, self._attempt = files, publish, attempt
+        self._copy = copy
         self.error: str | None = None  # "rank r: message" of the first failure seen here
         self._deadline = time.monotonic() + timeout  # for rank 0's wait for the other ranks
         self._thread = threading.Thread(
@@ -81,13 +84,17 @@ class BackgroundSave:
         """Wait at most ``seconds`` more for the other ranks (the process is being stopped)."""
         self._deadline = min(self._deadline, time.monotonic() + seconds)
 
+    def running(self) -> bool:
+        """Whether the write (or, on rank 0, the wait for the others and the publish) goes on."""
+        return self._thread.is_alive()
+
     def join(self) -> str | None:
         """Wait for the write (and, on rank 0, the publish); the error seen here, if any."""
         self._thread.join()
         return self.error
 
     def _run(self) -> None:
-        _, error = self._attempt(lambda: write_files(self.staging, self._files))
+        _, error = self._attempt(lambda: write_files(self.staging, self._files, self._copy))
         self._files = {}  # the snapshot's buffers stay with the Snapshot for the next save
         if self.rank != 0:
             self._leave_marker(error)
@@ -147,6 +154,18 @@ class BackgroundSave:
 
 
 _PENDING: weakref.WeakSet[BackgroundSave] = weakref.WeakSet()
+
+
+def wait_for_writes(directory: Path) -> None:
+    """Wait for this process's asynchronous writes into ``directory``, whichever
+    ``Checkpointer`` started them: another object on the same directory must not read a
+    checkpoint before it is published, nor clear its staging directory as a crash's leftover.
+    Their errors stay with the object that started them (raised by its next call).
+    """
+    target = os.path.abspath(directory)
+    for pending in list(_PENDING):
+        if os.path.abspath(pending.final.parent) == target:
+            pending.join()
 
 
 def finish_on_sigterm() -> None:

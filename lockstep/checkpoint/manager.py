@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm
+from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm, wait_for_writes
 from lockstep.checkpoint.directory import (
     check_directory,
     checkpoint_files,
@@ -43,6 +43,14 @@ from lockstep.checkpoint.directory import (
 from lockstep.checkpoint.io import CheckpointError, describe_os_error
 from lockstep.checkpoint.loading import IntactCheckpoints, load_into
 from lockstep.checkpoint.meeting import check_agreement, meet
+from lockstep.checkpoint.replicas import MemoryCopies, default_memory_root
+from lockstep.checkpoint.restoring import (
+    broadcast_from,
+    memory_copy,
+    replicate_to_peer,
+    restore_from_memory,
+    ring_exchange,
+)
 from lockstep.checkpoint.sharded import saves_sharded, shard_writers
 from lockstep.checkpoint.snapshot import Snapshot
 from lockstep.checkpoint.writing import (
@@ -66,8 +74,9 @@ class Restored:
         step: the step passed to :meth:`Checkpointer.save`.
         epoch: the epoch passed to :meth:`Checkpointer.save`.
         extra: the ``extra`` dict passed to :meth:`Checkpointer.save`.
-        path: the checkpoint directory read.
+        path: the checkpoint directory read (on disk, also when read from memory).
         world_size: the world size that wrote it.
+        source: ``"disk"``, or ``"memory"`` when its bytes came from the shared-memory copies.
     """
 
     step: int
@@ -75,6 +84,7 @@ class Restored:
     extra: dict[str, Any] = field(default_factory=dict)
     path: Path = Path()
     world_size: int = 1
+    source: str = "disk"  # or "memory": read from the shared-memory copies (``memory=True``)
 
 
 class Checkpointer:
@@ -93,8 +103,16 @@ class Checkpointer:
         timeout: seconds a rank waits for the others to enter :meth:`save`/:meth:`restore`
             before failing with the names of those that did not (the default matches the
             process group's 10 minutes, after which the save's collectives would fail anyway).
-        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
-            asynchronous (a snapshot in host memory, written by a background thread).
+        blocking: the default of :meth:`save`'s ``blocking``: ``False`` (the default) makes
+            every save asynchronous (a snapshot in host memory, written by a background
+            thread); ``True`` writes before ``save()`` returns.
+        memory: also keep each rank's files in shared memory (tmpfs) and restore from there
+            when they are all found (see ``replicas.py``); costs tmpfs memory equal to two
+            checkpoints' files. Off for models whose state does not fit there twice.
+        memory_dir: where those copies live (default ``/dev/shm/lockstep-<hash>``).
+        when_busy: what an asynchronous :meth:`save` does while the previous one is still
+            being written on some rank: ``"wait"`` for it, or ``"skip"`` this save (nothing is
+            written for that step; for saving every step at the pace the disk allows).
 
     Example::
 
@@ -114,7 +132,10 @@ class Checkpointer:
         *,
         process_group: Any = None,
         timeout: float = 600.0,
-        blocking: bool = True,
+        blocking: bool = False,
+        memory: bool = False,
+        memory_dir: str | os.PathLike | None = None,
+        when_busy: str = "wait",
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -132,6 +153,9 @@ class Checkpointer:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f'when_busy must be "wait" or "skip", got {when_busy!r}')
+        self.when_busy = when_busy
         self.blocking = blocking
         self.directory = Path(directory)
         self.keep = keep
@@ -142,6 +166,12 @@ class Checkpointer:
         self._intact = IntactCheckpoints()
         self._snapshot = Snapshot()  # host buffers of asynchronous saves, reused
         self._pending: BackgroundSave | None = None  # the asynchronous save in flight
+        self._memory: MemoryCopies | None = None
+        if memory:
+            root = Path(memory_dir) if memory_dir is not None else default_memory_root(
+                self.directory)
+            self._memory = MemoryCopies(root)
+        self._unreplicated: int | None = None  # the step whose files no peer holds yet
 
     @property
     def snapshot_bytes(self) -> int:
@@ -156,6 +186,21 @@ class Checkpointer:
                 the previous checkpoint is then the newest one.
         """
         self._settle()
+        self._replicate()
+
+    def _busy(self) -> bool:
+        """Whether any rank's previous asynchronous save is still being written."""
+        busy = self._pending is not None and self._pending.running()
+        return any(self._gather(busy))
+
+    def _replicate(self) -> None:
+        """With ``memory=True``, copy the last save's files to the next rank's machine."""
+        step, self._unreplicated = self._unreplicated, None
+        rank, world = self._rank_and_world()
+        if self._memory is None or step is None or world == 1:
+            return
+        exchange = partial(ring_exchange, rank=rank, group=self.process_group)
+        replicate_to_peer(self._memory, step, rank, world, self._gather, exchange)
 
     def _settle(self) -> None:
         """Finish the save in flight and raise its error, if any, on every rank."""
@@ -201,6 +246,13 @@ class Checkpointer:
         dist.all_gather_object(out, value, group=self.process_group)
         return out
 
+    def close(self) -> None:
+        """Wait for the save in flight and remove this rank's shared-memory copies, if any;
+        call on every rank."""
+        self._settle()
+        if self._memory is not None:
+            self._memory.clear()
+
     def _agree(self, what: str, error: str | None, cleanup: Callable[[], None] | None = None):
         """Raise the same error on every rank if any rank failed at ``what``."""
         failures = [(rank, err) for rank, err in enumerate(self._gather(error)) if err]
@@ -236,9 +288,9 @@ class Checkpointer:
     ) -> Path:
         """Write a checkpoint for ``step``; call on every rank.
 
-        With ``blocking=False`` the save is asynchronous: it returns once a copy of the state is
-        in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the checkpoint
-        directory appears when every rank has written. The next ``save()``, :meth:`wait`,
+        By default (``blocking=False``) the save is asynchronous: it returns once a copy of the
+        state is in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the
+        checkpoint directory appears when every rank has written. The next ``save()``, :meth:`wait`,
         ``restore()``, the end of the process and a SIGTERM wait for it; an error in the write is
         raised by the next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only
         once it is on disk, raising any error itself.
@@ -250,10 +302,11 @@ class Checkpointer:
             **objects: name -> object with ``state_dict()``, e.g. ``model=model``; one with
                 ``sharded_state_dict()`` is written one piece per rank (see ``sharded``).
             blocking: write before returning (``False``: in a background thread); ``None``:
-                the ``blocking`` given to the constructor (``True`` unless told otherwise).
+                the ``blocking`` given to the constructor (``False`` unless told otherwise).
 
         Returns:
-            The directory of the new checkpoint (asynchronous: where it will appear).
+            The directory of the new checkpoint (asynchronous: where it will appear; with
+            ``when_busy="skip"``, a skipped save's directory never appears).
 
         Raises:
             CheckpointError: on every rank, naming the rank and file, if any rank could not
@@ -267,7 +320,12 @@ class Checkpointer:
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         self._meet(f"save(step={step})")
         self._check_agreement(f"save(step={step})", step)
+        if not blocking and self.when_busy == "skip" and self._busy():
+            logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
+            return self.directory / dir_name(step)
         self._settle()
+        self._replicate()  # the previous save's files, now written, to the next rank's memory
+        wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
         rank, world = self._rank_and_world()
         final = self.directory / dir_name(step)
         staging = staging_dir(final)
@@ -290,17 +348,19 @@ class Checkpointer:
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
 
+        copy = memory_copy(self._memory, step, rank) if self._memory is not None else None
         files, error = self._attempt(collect)
         if blocking and not error:
-            error = self._attempt(lambda: write_files(staging, files))[1]
+            error = self._attempt(lambda: write_files(staging, files, copy))[1]
         # A state that cannot be saved is reported now, asynchronous or not.
         self._agree(f"saving checkpoint {final}", error, drop_staging)
+        self._unreplicated = step if self._memory is not None else None
         if not blocking:
             finish_on_sigterm()
             publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
-                self.timeout.total_seconds(), self._attempt,
+                self.timeout.total_seconds(), self._attempt, copy,
             )
             return final
         files_list = checkpoint_files(world, writers)
@@ -323,13 +383,14 @@ class Checkpointer:
 
         Needs no other rank (no collectives), so it can be called anywhere.
         """
-        if self._pending is not None:
-            self._pending.join()  # its error is raised by the next collective call
+        # Saves in flight (this object's or another's) first; errors come with the next save().
+        wait_for_writes(self.directory)
         found = self._intact.newest(self.directory)
         return found[0] if found else None
 
     def _find(self) -> tuple[Path, dict[str, Any]] | None:
         check_directory(self.directory)
+        wait_for_writes(self.directory)  # rank 0's write is published after every rank's
         return self._intact.newest(self.directory)
 
     def restore(self, **objects: Any) -> Restored | None:
@@ -350,6 +411,17 @@ class Checkpointer:
         self._check_agreement("restore()")
         self._settle()
         rank = self._rank_and_world()[0]
+        if self._memory is not None:
+            broadcast = partial(broadcast_from, world=self._rank_and_world()[1],
+                                group=self.process_group)
+            from_memory = restore_from_memory(
+                self._memory, self.directory, rank, objects, self._gather, broadcast,
+                self._attempt)
+            if from_memory is not None:
+                path, state = from_memory
+                meta = state["meta"]
+                return Restored(step=meta["step"], epoch=meta["epoch"], extra=state["extra"],
+                                path=path, world_size=meta["world_size"], source="memory")
         found, error = self._attempt(self._find) if rank == 0 else (None, None)
         choice, error = self._gather((found[0].name if found else None, error))[0]
         if error:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +97,16 @@ def collect_rank_files(
     return files
 
 
-def write_files(staging: Path, files: Mapping[str, Any]) -> None:
-    """Encode (checksummed) and write each of ``files`` into ``staging`` atomically."""
+def write_files(
+    staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes], None] | None = None
+) -> None:
+    """Encode (checksummed) and write each of ``files`` into ``staging`` atomically; ``copy``,
+    if given, receives each file's name and bytes first (the shared-memory copy)."""
     for name, content in files.items():
-        write_atomic(staging / name, encode(content))
+        data = encode(content)
+        if copy is not None:
+            copy(name, data)
+        write_atomic(staging / name, data)
 
 
 def write_rank_files(
