@@ -1,0 +1,212 @@
+"""lockstep's imports point down: no import circle, no import from a lower layer to a higher one.
+
+The import graph is read statically (``ast``), lazy imports inside functions included, so an
+import that only runs on some path still counts. ``LAYERS`` is the one written copy of the
+layer table; docs/contributing.md mirrors it and ``test_docs_mirror_the_layer_table`` keeps
+the two equal. ``KNOWN_UPWARD`` and ``KNOWN_CIRCLES`` list what is still wrong today; fixing one
+removes its entry (a stale entry fails too, so the lists only shrink).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lockstep"
+
+# Bottom up. A module belongs to the layer of the longest prefix that names it; it may import
+# its own layer and the layers below, never a layer above.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("base", [
+        "lockstep._torch_compat", "lockstep.utils", "lockstep.env", "lockstep.tensors",
+        "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
+    ]),
+    ("hang records", [
+        "lockstep.progress", "lockstep.hang", "lockstep.collective_checks", "lockstep.watchdog",
+    ]),
+    ("collectives", [
+        "lockstep.distributed", "lockstep.launcher.spawn", "lockstep.launcher.payload",
+        "lockstep.multiproc",
+    ]),
+    ("comm hooks", ["lockstep.comm"]),
+    ("parallel", [
+        "lockstep.ddp", "lockstep.dp", "lockstep.fsdp", "lockstep.zero", "lockstep.sampler",
+        "lockstep.virtual_sampler", "lockstep.checkpoint", "lockstep.pipeline",
+        "lockstep.sync_batchnorm", "lockstep.accumulation",
+    ]),
+    ("doctor, plan", ["lockstep.doctor", "lockstep.plan"]),
+    ("launcher", ["lockstep.launcher", "lockstep.helper"]),
+    ("commands", [
+        "lockstep", "lockstep.__main__", "lockstep.cli", "lockstep.doctor.command",
+    ]),
+]
+
+# (importer, imported) pairs that go up a layer today. Each fix removes its line.
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("lockstep.comm.compression", "lockstep.ddp.comm_hooks"),
+    ("lockstep.comm.fp32_accumulate", "lockstep.ddp.comm_hooks"),
+    ("lockstep.comm.local_sgd", "lockstep.ddp.comm_hooks"),
+    ("lockstep.comm.powersgd", "lockstep.ddp.comm_hooks"),
+    ("lockstep.ddp.bucket_launch", "lockstep.doctor.recorder"),
+    ("lockstep.ddp.joinable", "lockstep.doctor.recorder"),
+    ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
+    ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
+    ("lockstep.ddp.profiling", "lockstep.doctor.records"),
+    ("lockstep.ddp.reducer", "lockstep.doctor.recorder"),
+    ("lockstep.ddp.timing", "lockstep.doctor.recorder"),
+    ("lockstep.ddp.timing", "lockstep.doctor.records"),
+    ("lockstep.ddp.wrapper", "lockstep.doctor.env"),
+    ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
+    ("lockstep.doctor.dp_vs_ddp", "lockstep"),
+    ("lockstep.plan.measure", "lockstep"),
+    ("lockstep.plan.validate", "lockstep"),
+}
+
+# Import circles today, each as the sorted modules in it. Each fix removes its line.
+KNOWN_CIRCLES: set[tuple[str, ...]] = {
+    ("lockstep.cli", "lockstep.doctor.command"),
+    ("lockstep.fsdp.prefetch", "lockstep.fsdp.unit"),
+    ("lockstep.plan.planner", "lockstep.plan.report"),
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _targets(module: str, path: pathlib.Path, node: ast.AST, known: dict) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            stem = ".".join(base + ([node.module] if node.module else []))
+        else:
+            stem = node.module or ""
+        names = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names]
+    else:
+        return []
+    out = []
+    for name in names:
+        if name.split(".")[0] != "lockstep":
+            continue
+        while name not in known and "." in name:
+            name = name.rpartition(".")[0]
+        if name != module:
+            out.append(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the lockstep modules it imports, anywhere in its body."""
+    known = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            graph[module].update(_targets(module, path, node, known))
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best, level = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), index
+    if level is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+    return level
+
+
+def upward_imports(graph: dict[str, set[str]] | None = None) -> set[tuple[str, str]]:
+    graph = import_graph() if graph is None else graph
+    return {(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)}
+
+
+def circles(graph: dict[str, set[str]] | None = None) -> set[tuple[str, ...]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph = import_graph() if graph is None else graph
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[tuple[str, ...]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.add(tuple(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_new_upward_import():
+    new = upward_imports() - KNOWN_UPWARD
+    assert not new, (
+        "imports from a lower layer to a higher one (see the layer table in "
+        f"docs/contributing.md; offer an observer or move the helper down): {sorted(new)}"
+    )
+
+
+def test_no_new_import_circle():
+    new = circles() - KNOWN_CIRCLES
+    assert not new, f"import circles: {sorted(new)}"
+
+
+def test_known_violations_are_still_there():
+    fixed = (KNOWN_UPWARD - upward_imports()) | (KNOWN_CIRCLES - circles())
+    assert not fixed, f"fixed: remove from the allowlist in tests/test_layers.py: {sorted(fixed)}"
+
+
+def test_the_check_catches_an_upward_import_and_a_circle():
+    graph = {
+        "lockstep.ddp.reducer": {"lockstep.doctor.recorder", "lockstep.distributed"},
+        "lockstep.doctor.recorder": {"lockstep.doctor.records"},
+        "lockstep.doctor.records": {"lockstep.doctor.recorder"},
+        "lockstep.distributed": set(),
+    }
+    assert upward_imports(graph) == {("lockstep.ddp.reducer", "lockstep.doctor.recorder")}
+    assert circles(graph) == {("lockstep.doctor.recorder", "lockstep.doctor.records")}
+
+
+def test_docs_mirror_the_layer_table():
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    documented = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        documented.append((cells[1], re.findall(r"`([\w.]+)`", cells[2])))
+    assert documented == LAYERS[::-1] or documented == LAYERS, (
+        "docs/contributing.md's layer table differs from LAYERS in tests/test_layers.py"
+    )
