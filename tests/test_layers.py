@@ -45,16 +45,9 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # (importer, imported) pairs that go up a layer today. Each fix removes its line.
 KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("lockstep.comm.compression", "lockstep.ddp.comm_hooks"),
-    ("lockstep.comm.fp32_accumulate", "lockstep.ddp.comm_hooks"),
-    ("lockstep.comm.local_sgd", "lockstep.ddp.comm_hooks"),
-    ("lockstep.comm.powersgd", "lockstep.ddp.comm_hooks"),
-    ("lockstep.ddp.bucket_launch", "lockstep.doctor.recorder"),
-    ("lockstep.ddp.joinable", "lockstep.doctor.recorder"),
     ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
     ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
     ("lockstep.ddp.profiling", "lockstep.doctor.records"),
-    ("lockstep.ddp.reducer", "lockstep.doctor.recorder"),
     ("lockstep.ddp.timing", "lockstep.doctor.recorder"),
     ("lockstep.ddp.timing", "lockstep.doctor.records"),
     ("lockstep.ddp.wrapper", "lockstep.doctor.env"),

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.comm.hooks import GradBucket, completed_future
 from lockstep.comm.state import ByteCounter
-from lockstep.ddp.comm_hooks import GradBucket, completed_future
 from lockstep.distributed import resolve_group
 
 __all__ = ["LocalSGD", "local_gradients_hook"]

@@ -20,8 +20,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 from lockstep import hang
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
+from lockstep.comm.hooks import check_annotations, returns_future
 from lockstep.ddp import arguments
-from lockstep.ddp.comm_hooks import check_annotations, returns_future
 from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import UnevenInputs

@@ -51,7 +51,7 @@ def throttle_hook(state: Throttle, bucket: Any) -> torch.futures.Future[torch.Te
     """A comm hook: the default all-reduce, then a hold of ``2(n-1)/n * bytes / bandwidth`` s."""
     import torch.distributed as dist
 
-    from lockstep.ddp.comm_hooks import allreduce_hook
+    from lockstep.comm.hooks import allreduce_hook
 
     n = dist.get_world_size()
     nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
