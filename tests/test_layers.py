@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "lockstep.virtual_sampler", "lockstep.checkpoint", "lockstep.pipeline",
         "lockstep.sync_batchnorm", "lockstep.accumulation",
     ]),
-    ("doctor, plan", ["lockstep.doctor", "lockstep.plan"]),
+    ("doctor, plan", ["lockstep.doctor", "lockstep.plan", "lockstep.ddp.timing"]),
     ("launcher", ["lockstep.launcher", "lockstep.helper"]),
     ("commands", [
         "lockstep", "lockstep.__main__", "lockstep.cli", "lockstep.doctor.command",
@@ -45,14 +45,12 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # (importer, imported) pairs that go up a layer today. Each fix removes its line.
 KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("lockstep.ddp", "lockstep.doctor.records"),  # lockstep.ddp exports StepTiming
     ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
     ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
     ("lockstep.ddp.profiling", "lockstep.doctor.records"),
-    ("lockstep.ddp.timing", "lockstep.doctor.recorder"),
-    ("lockstep.ddp.timing", "lockstep.doctor.records"),
     ("lockstep.ddp.wrapper", "lockstep.doctor.env"),
     ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
-    ("lockstep.doctor.dp_vs_ddp", "lockstep"),
     ("lockstep.plan.measure", "lockstep"),
     ("lockstep.plan.validate", "lockstep"),
 }
@@ -202,3 +200,15 @@ def test_docs_mirror_the_layer_table():
     assert documented == LAYERS[::-1] or documented == LAYERS, (
         "docs/contributing.md's layer table differs from LAYERS in tests/test_layers.py"
     )
+
+
+# Modules kept only so that users' old imports keep working; lockstep itself imports their homes.
+SHIMS = {"lockstep.multiproc", "lockstep.launcher.config", "lockstep.ddp.timing",
+         "lockstep.ddp.comm_hooks"}
+
+
+def test_lockstep_imports_no_compatibility_shim():
+    graph = import_graph()
+    users = sorted((a, b) for a, targets in graph.items() for b in targets
+                   if b in SHIMS and a not in SHIMS)
+    assert not users, f"import the shim's home instead (its docstring names it): {users}"

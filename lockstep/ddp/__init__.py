@@ -7,9 +7,9 @@ in a fixed tree (shard_tree.py)."""
 
 from lockstep.comm.hooks import GradBucket, allreduce_hook
 from lockstep.ddp.replica_sync import ReplicaMismatchError
-from lockstep.ddp.timing import StepTiming
 from lockstep.ddp.virtual_shards import VirtualShardDDP, split_shards
 from lockstep.ddp.wrapper import DistributedDataParallel
+from lockstep.doctor.records import StepTiming
 
 __all__ = [
     "DistributedDataParallel",
