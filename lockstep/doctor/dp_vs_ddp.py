@@ -165,6 +165,8 @@ def _ddp_worker(
     device = _device(kind, info.local_rank)
     model = DistributedDataParallel(model_fn().to(device))
     recorder = model.enable_profiling(warmup=warmup)
+    if recorder is None:  # enable_profiling(enabled=True) always starts one
+        raise RuntimeError("DistributedDataParallel.enable_profiling() returned no recorder")
     optimizer = optimizer_fn(model.parameters())
     for step in range(total):
         inputs, targets = batch_fn(step)
