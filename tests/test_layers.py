@@ -20,7 +20,7 @@ PACKAGE = ROOT / "lockstep"
 # its own layer and the layers below, never a layer above.
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", [
-        "lockstep._torch_compat", "lockstep.utils", "lockstep.env", "lockstep.tensors",
+        "lockstep._torch_compat", "lockstep._torch_compat_compile", "lockstep.utils", "lockstep.env", "lockstep.tensors",
         "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
     ]),
     ("hang records", [
@@ -212,3 +212,74 @@ def test_lockstep_imports_no_compatibility_shim():
     users = sorted((a, b) for a, targets in graph.items() for b in targets
                    if b in SHIMS and a not in SHIMS)
     assert not users, f"import the shim's home instead (its docstring names it): {users}"
+
+
+# ---- torch's private names live in lockstep._torch_compat only ------------------------------
+COMPAT = ("lockstep._torch_compat", "lockstep._torch_compat_compile")
+TORCH_ROOTS = {"torch", "dist", "nn", "F", "Variable", "c10d", "autograd", "distributed_c10d"}
+# Private torch members reached through an object rather than a torch module.
+TORCH_PRIVATE_ATTRS = {
+    "_execution_engine", "_current_graph_task_id", "_unsafe_preserve_version_counter",
+    "_flat_weights_names", "_flat_weights", "_get_default_store", "_state_holder",
+    "_shared_tcp_store_server", "_this_node", "_orig_mod", "_flatten_dense_tensors",
+    "_unflatten_dense_tensors",
+}
+# Modules that still read torch privates directly; each fix removes its entry.
+KNOWN_PRIVATE_USERS = {
+    "lockstep.launcher.rendezvous",  # DynamicRendezvousHandler internals (see rendezvous_internals)
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def torch_private_uses(source: str) -> list[str]:
+    """The private torch names a module's source uses (imports and attribute reads)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]
+            found += [f"from {node.module} import ..." for p in parts if _private(p)][:1]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
+        elif (isinstance(node, ast.Attribute) and _private(node.attr)
+              and (node.attr in TORCH_PRIVATE_ATTRS or _root(node) in TORCH_ROOTS)):
+            found.append(node.attr)
+    return found
+
+
+def test_torch_privates_only_in_the_compat_module():
+    users = {}
+    for module, path in _modules().items():
+        if module in COMPAT or module in KNOWN_PRIVATE_USERS:
+            continue
+        uses = torch_private_uses(path.read_text())
+        if uses:
+            users[module] = sorted(set(uses))
+    assert not users, (
+        "private torch names outside lockstep/_torch_compat.py: add a named function there "
+        f"(with a test in tests/test_torch_compat.py) and call it: {users}"
+    )
+
+
+def test_known_private_users_still_use_privates():
+    modules = _modules()
+    fixed = [m for m in KNOWN_PRIVATE_USERS if not torch_private_uses(modules[m].read_text())]
+    assert not fixed, f"remove from KNOWN_PRIVATE_USERS in tests/test_layers.py: {fixed}"
+
+
+def test_the_private_check_catches_torch_privates():
+    assert torch_private_uses("from torch._utils import _flatten_dense_tensors")
+    assert torch_private_uses("import torch._dynamo")
+    assert torch_private_uses("torch._C._current_graph_task_id()")
+    assert torch_private_uses("Variable._execution_engine.queue_callback(f)")
+    assert torch_private_uses("m._flat_weights_names")
+    assert not torch_private_uses("self._reducer.clock\ntorch.autograd.grad(x, y)\nx.__class__")

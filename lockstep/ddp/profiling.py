@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
+from lockstep._torch_compat import queue_callback
 from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.replica_sync import broadcast_messages, live_buffers
 from lockstep.doctor.arrivals import GradientArrivals
@@ -184,7 +184,7 @@ def _hook_first_tensor(output: Any, clock: StepObserver, end_on_backward: bool, 
     def started(grad: torch.Tensor) -> None:
         clock.backward_started()
         if end_on_backward:
-            Variable._execution_engine.queue_callback(
+            queue_callback(
                 functools.partial(clock.backward_ended, synced=synced))
 
     first = next((t for t in iter_tensors(output) if t.requires_grad), None)

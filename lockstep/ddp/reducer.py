@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from lockstep import collective_checks
+from lockstep._torch_compat import queue_callback
 from lockstep.comm.hooks import GradBucket, allreduce_hook
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
 from lockstep.ddp.bucket import Bucket
@@ -177,7 +177,7 @@ class Reducer:
             self._queue_finalize()
 
     def _queue_finalize(self) -> None:
-        Variable._execution_engine.queue_callback(self._finalize)
+        queue_callback(self._finalize)
         self._callback_queued = True
         self._outer_backward = current_backward_id()
         self.progress.set_phase("backward")

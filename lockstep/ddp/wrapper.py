@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep import hang
+from lockstep._torch_compat import preserve_version_counter
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
 from lockstep.comm.hooks import check_annotations, returns_future
@@ -327,7 +328,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         if buffers:
             # Keep version counters: a second forward before backward (GAN, contrastive) would
             # otherwise invalidate the buffers the first one saved for backward (as torch does).
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            with preserve_version_counter(buffers):
                 if self._reducer is None:
                     broadcast_coalesced(buffers, src, self.process_group)
                 else:  # a rank that never arrives is named
