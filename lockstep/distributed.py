@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep import progress
-from lockstep.env import ProcessInfo, default_backend, detect_process_info
+from lockstep.env import ProcessInfo, default_backend, detect_process_info, loopback_interface
 from lockstep.teardown import quiesce
 
 __all__ = [
@@ -164,7 +164,7 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
     Gloo picks its interface from GLOO_SOCKET_IFNAME when the group is created; it is set only
     for that moment, and only where the user has not chosen one.
     """
-    loopback = "lo" if os.path.exists("/sys/class/net/lo") else None
+    loopback = loopback_interface()
     if backend != "gloo" or loopback is None or "GLOO_SOCKET_IFNAME" in os.environ:
         yield
         return

@@ -15,6 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from lockstep.env import env_int
+
 __all__ = [
     "EVERY_ENV",
     "PROFILE_ENV",
@@ -36,16 +38,7 @@ def profiling_requested(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None, least: int) -> int | None:
-    text = environ.get(name, "")
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a whole number; unset it or give e.g. {name}=40")
-    if value < least:
-        raise ValueError(f"{name}={value}: must be at least {least}")
-    return value
+    return env_int(environ, name, default, least, example=40)
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
