@@ -18,8 +18,8 @@ from lockstep.env import ProcessInfo, default_backend, detect_process_info, loop
 from lockstep.teardown import quiesce
 
 __all__ = [
-    "current_process_info", "init_distributed", "pick_device", "resolve_device", "resolve_group",
-    "shutdown_distributed",
+    "current_process_info", "global_rank", "global_ranks", "init_distributed", "pick_device",
+    "resolve_device", "resolve_group", "shutdown_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,21 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
         yield
     finally:
         del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (None: the default group).
+
+    Collectives name their source and destination globally, whatever group they run in.
+    """
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global rank of each rank of ``group``, in group order."""
+    return [global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:

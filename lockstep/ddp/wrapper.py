@@ -37,6 +37,7 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
+from lockstep.distributed import global_rank
 from lockstep.doctor.env import settings_from_env
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
@@ -195,7 +196,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
     def _connect(self) -> None:
         """Everything tied to the process group: rebuilt after unpickling."""
         self.world_size = dist.get_world_size(self.process_group)
-        self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
+        self._src = global_rank(self.process_group, 0)  # rank 0 of the group, globally
         self._reducer: Reducer | None = None
         self._delayed: DelayedAllReduce | None = None
         self._twin = CompiledTwin(self.module, self.plan_buckets)  # torch.compile's bucket split
