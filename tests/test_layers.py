@@ -49,7 +49,7 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
     ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
     ("lockstep.ddp.profiling", "lockstep.doctor.records"),
-    ("lockstep.ddp.wrapper", "lockstep.doctor.env"),
+    ("lockstep.ddp.wrapper", "lockstep.doctor.profile_env"),
     ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
     ("lockstep.plan.measure", "lockstep"),
     ("lockstep.plan.validate", "lockstep"),
@@ -222,7 +222,7 @@ def test_docs_mirror_the_layer_table():
 
 # Modules kept only so that users' old imports keep working; lockstep itself imports their homes.
 SHIMS = {"lockstep.multiproc", "lockstep.launcher.config", "lockstep.ddp.timing",
-         "lockstep.ddp.comm_hooks"}
+         "lockstep.ddp.comm_hooks", "lockstep.doctor.env"}
 
 
 def test_lockstep_imports_no_compatibility_shim():

@@ -38,7 +38,7 @@ from lockstep.ddp.replica_sync import (
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
 from lockstep.distributed import global_rank
-from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.profile_env import settings_from_env
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
 

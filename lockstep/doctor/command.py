@@ -1,7 +1,7 @@
 """``lockstep doctor``: run a script at world 1 and world N, and explain the speedup.
 
 The script runs unchanged under ``lockstep run``: the doctor only sets ``LOCKSTEP_PROFILE*``
-(see ``env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
+(see ``profile_env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
 run after ``--steps`` steps. Both runs use the script's own batch per worker, so world N does N
 times the work of world 1 per step. On a machine without GPUs the world-1 run gets one worker's
 share of the cores (``OMP_NUM_THREADS``), as one of N workers would.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.doctor.account import Account, speedup_account
-from lockstep.doctor.env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
+from lockstep.doctor.profile_env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
 from lockstep.doctor.profile_file import build_profile, load_ranks, timeline
 from lockstep.doctor.render import plot_timeline, write_trace
 

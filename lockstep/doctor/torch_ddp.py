@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import lockstep.ddp  # noqa: F401  - first: lockstep.ddp and the doctor's recorder import each other
 from lockstep._torch_compat import queue_callback
 from lockstep.doctor.arrivals import GradientArrivals
-from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.profile_env import settings_from_env
 from lockstep.doctor.recorder import Recorder
 from lockstep.tensors import iter_tensors
 
