@@ -67,6 +67,19 @@ def test_cuda_marks_are_events_resolved_in_order():
     assert stamps.resolve(a, wait=True) <= stamps.resolve(b, wait=True)
 
 
+def test_batch_size_skips_a_scalar_in_front_of_the_batch():
+    """The recorder's batch size comes from the first tensor that has a batch dimension (it
+    used to give up at a leading 0-dim tensor, a loss weight or a flag, and record none)."""
+    from lockstep.doctor.recorder import Recorder
+
+    rec = Recorder(torch.device("cpu"))
+    try:
+        rec.forward_started((torch.tensor(0.5), torch.zeros(8, 3)))
+        assert rec.batch_size == 8
+    finally:
+        rec.close()
+
+
 def _phase_row(rng: random.Random, data_extra: float = 0.0) -> dict[str, float]:
     row = {"data": 0.001 * rng.uniform(0.8, 1.2) + data_extra,
            "forward": 0.003 * rng.uniform(0.8, 1.2), "backward": 0.006 * rng.uniform(0.8, 1.2),
