@@ -52,7 +52,7 @@ _EXPORTS: dict[str, str] = {
     "spawn": "lockstep.launcher.spawn",
     "WorkerError": "lockstep.launcher.spawn",
     "DistributedDataParallel": "lockstep.ddp.wrapper",
-    "GradBucket": "lockstep.ddp.comm_hooks",
+    "GradBucket": "lockstep.comm.hooks",
     "ReplicaMismatchError": "lockstep.ddp.replica_sync",
     "profile": "lockstep.doctor.api",
 }

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from lockstep import progress
-from lockstep.env import ProcessInfo, default_backend, detect_process_info
+from lockstep.env import ProcessInfo, default_backend, detect_process_info, loopback_interface
 from lockstep.teardown import quiesce
 
 __all__ = [
-    "current_process_info", "init_distributed", "pick_device", "resolve_device", "resolve_group",
-    "shutdown_distributed",
+    "DeviceUnavailableError", "current_process_info", "global_rank", "global_ranks",
+    "init_distributed", "pick_device", "resolve_device", "resolve_group", "shutdown_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -27,12 +27,21 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
+class DeviceUnavailableError(ValueError, RuntimeError):
+    """A device was asked for that this process cannot use (no such GPU, no CUDA).
+
+    The one type for that error wherever a device is resolved (``init_distributed``,
+    ``DataParallel(device_ids=...)``); it is both a ``RuntimeError`` (as torch raises for a
+    missing GPU) and a ``ValueError`` (a bad argument), so either ``except`` catches it.
+    """
+
+
 def pick_device(local_rank: int) -> torch.device:
     """This rank's device: GPU number ``local_rank`` where there are GPUs, else the CPU."""
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise RuntimeError(
+            raise DeviceUnavailableError(
                 f"local rank {local_rank} has no GPU: this machine has {count}. "
                 "Start at most one worker per GPU (e.g. `lockstep run --nproc-per-node auto`)."
             )
@@ -49,8 +58,8 @@ def resolve_device(device: torch.device | str | int | None, local_rank: int) -> 
         local_rank: this process's rank on its node.
 
     Raises:
-        RuntimeError: CUDA was asked for but this torch build has none, no GPU is visible, or
-            the GPU named (or ``local_rank``) does not exist on this machine.
+        DeviceUnavailableError: (a RuntimeError) CUDA was asked for but this torch build has
+            none, no GPU is visible, or the GPU named (or ``local_rank``) does not exist here.
         ValueError: ``device`` is not a device name.
     """
     if device is None:
@@ -62,13 +71,13 @@ def resolve_device(device: torch.device | str | int | None, local_rank: int) -> 
     if dev.type != "cuda":
         return dev
     if not torch.backends.cuda.is_built():
-        raise RuntimeError(
+        raise DeviceUnavailableError(
             f"CUDA requested (device={str(device)!r}) but this torch build has no CUDA "
             f"(torch {torch.__version__}): install a CUDA build of torch, or run on the CPU "
             "(device='cpu', or LOCKSTEP_DEVICE=cpu)."
         )
     if not torch.cuda.is_available():
-        raise RuntimeError(
+        raise DeviceUnavailableError(
             f"CUDA requested (device={str(device)!r}) but no GPU is visible to this process "
             "(torch.cuda.is_available() is False): check the driver and CUDA_VISIBLE_DEVICES, "
             "or run on the CPU (device='cpu', or LOCKSTEP_DEVICE=cpu)."
@@ -77,7 +86,7 @@ def resolve_device(device: torch.device | str | int | None, local_rank: int) -> 
         return pick_device(local_rank)  # "cuda": one GPU per local rank, as torchrun assigns
     count = torch.cuda.device_count()
     if dev.index >= count:
-        raise RuntimeError(
+        raise DeviceUnavailableError(
             f"device={str(device)!r} does not exist: this machine has {count} GPU(s) "
             f"(cuda:0 to cuda:{count - 1}). Pass 'cuda' to use GPU number LOCAL_RANK."
         )
@@ -164,7 +173,7 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
     Gloo picks its interface from GLOO_SOCKET_IFNAME when the group is created; it is set only
     for that moment, and only where the user has not chosen one.
     """
-    loopback = "lo" if os.path.exists("/sys/class/net/lo") else None
+    loopback = loopback_interface()
     if backend != "gloo" or loopback is None or "GLOO_SOCKET_IFNAME" in os.environ:
         yield
         return
@@ -173,6 +182,21 @@ def _gloo_on_loopback(backend: str) -> Iterator[None]:
         yield
     finally:
         del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (None: the default group).
+
+    Collectives name their source and destination globally, whatever group they run in.
+    """
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global rank of each rank of ``group``, in group order."""
+    return [global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:

@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
+    "LOOPBACK_IFNAME",
     "ProcessInfo",
     "default_backend",
     "detect_process_info",
+    "env_int",
     "expand_slurm_nodelist",
     "expand_slurm_tasks_per_node",
+    "loopback_gloo",
+    "loopback_interface",
+    "parse_env_int",
 ]
+
+LOOPBACK_IFNAME = "lo"  # Linux's name for the loopback interface
 
 # SLURM gives no port; derive one from the job id so every task of a job agrees on it
 # without talking, and two jobs sharing a node rarely collide.
@@ -66,12 +74,58 @@ class ProcessInfo:
         return self.world_size > 1
 
 
-def _int(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
+def parse_env_int(name: str, text: str, least: int | None = None, example: int | None = None) -> int:
+    """The whole number environment variable ``name`` holds as ``text``.
+
+    Raises:
+        ValueError: not a whole number, or below ``least``; the message names the variable.
+    """
     try:
-        return int(raw)
+        value = int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+        hint = f"; unset it or give e.g. {name}={example}" if example is not None else ""
+        raise ValueError(f"environment variable {name}={text!r} is not a whole number{hint}") from None
+    if least is not None and value < least:
+        raise ValueError(f"environment variable {name}={value}: must be at least {least}")
+    return value
+
+
+def env_int(environ: Mapping[str, str], name: str, default: int | None = None,
+            least: int | None = None, example: int | None = None) -> int | None:
+    """The whole number in ``environ[name]``, or ``default`` when it is unset or empty.
+
+    Raises:
+        ValueError: as :func:`parse_env_int`.
+    """
+    text = environ.get(name, "")
+    return default if not text else parse_env_int(name, text, least, example)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    return parse_env_int(name, env[name])
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``"lo"``) where this machine has one, else None."""
+    if not hasattr(socket, "if_nameindex"):
+        return None
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return LOOPBACK_IFNAME if LOOPBACK_IFNAME in names else None
+
+
+def loopback_gloo(environ: Mapping[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` to keep gloo's sockets on loopback for a single-machine world.
+
+    gloo otherwise listens on the address the host name resolves to, which may face a network.
+    Empty where the user chose an interface or the machine has no ``lo``.
+    """
+    if "GLOO_SOCKET_IFNAME" in environ:
+        return {}
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name is not None else {}
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lockstep import _torch_compat
 from lockstep.stackdump import StackDump
 
 __all__ = [
@@ -60,7 +61,7 @@ def default_store() -> Any:
     # torch keeps this store privately; it is the one place every rank can read without
     # joining a collective, which is the point.
     try:
-        return dist.distributed_c10d._get_default_store()
+        return _torch_compat.default_store()
     except Exception:  # noqa: BLE001 - private API; without it we lose only the diagnosis
         return None
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lockstep import hang
+from lockstep._torch_compat import BatchNormBase
 from lockstep.progress import group_progress
 
 __all__ = ["SyncBatchNorm"]
@@ -127,7 +127,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """BatchNorm over the global batch: statistics are summed over the ranks of a group.
 
     Same arguments and state dict as ``torch.nn.SyncBatchNorm`` and the ``BatchNorm*d``
@@ -229,7 +229,7 @@ class SyncBatchNorm(_BatchNorm):
             model = lockstep.SyncBatchNorm.convert_sync_batchnorm(model)
         """
         converted = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+        if isinstance(module, BatchNormBase) and not isinstance(module, cls):
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine,
                 module.track_running_stats, process_group,

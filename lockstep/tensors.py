@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors", "map_tensors", "move_to"]
+__all__ = ["batch_size", "iter_tensors", "map_tensors", "move_to"]
 
 
 def _is_dataclass_instance(obj: Any) -> bool:
@@ -61,6 +61,18 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif _is_dataclass_instance(obj):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name))
+
+
+def batch_size(obj: Any, dim: int = 0) -> int | None:
+    """Samples in a batch: the size along ``dim`` of its first tensor that has a ``dim``.
+
+    Walks what :func:`iter_tensors` walks (dataclasses included); scalar tensors (a 0-dim
+    flag or weight in front of the data) are skipped. None when no tensor has that dimension.
+    """
+    for tensor in iter_tensors(obj):
+        if tensor.dim() > dim:
+            return int(tensor.size(dim))
+    return None
 
 
 def move_to(obj: Any, device: torch.device | str, non_blocking: bool | None = None) -> Any:

@@ -144,3 +144,15 @@ def _no_leaks():
     os.environ.update(before)
     assert not leaked_group, "test left the default process group initialised"
     assert not changed, f"test changed environment variables: {changed}"
+
+
+@pytest.fixture
+def world_of_one():
+    """A world of one gloo rank in this process (shared by the files that need one)."""
+    import lockstep
+
+    info = lockstep.init_distributed(device="cpu")
+    try:
+        yield info
+    finally:
+        lockstep.shutdown_distributed()

@@ -112,3 +112,16 @@ class _NullContext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_one_error_type_for_a_device_that_is_not_there(gpus):
+    """init_distributed's resolution and DataParallel's device_ids raise the same type."""
+    from lockstep.distributed import DeviceUnavailableError
+    from lockstep.dp.devices import resolve_device_ids
+
+    with pytest.raises(DeviceUnavailableError, match="'cuda:7' does not exist"):
+        resolve_device("cuda:7", 0)
+    with pytest.raises(DeviceUnavailableError, match="device_ids names cuda:9 but 4"):
+        resolve_device_ids([9])
+    assert issubclass(DeviceUnavailableError, RuntimeError)  # what torch raises for a missing GPU
+    assert issubclass(DeviceUnavailableError, ValueError)  # what DataParallel raised before

@@ -160,3 +160,26 @@ def test_slurm_local_world_size_without_ntasks_per_node():
     assert got == [4] * 4 + [2] * 6
     step = dict(uneven, SLURM_STEP_TASKS_PER_NODE="5,5", SLURM_PROCID="7", SLURM_NODEID="1")
     assert detect_process_info(step).local_world_size == 5
+
+
+def test_env_int_one_parser_for_every_variable():
+    from lockstep.env import env_int, parse_env_int
+
+    assert env_int({}, "X", 5) == 5
+    assert env_int({"X": ""}, "X", 5) == 5
+    assert env_int({"X": "7"}, "X", 5, least=1) == 7
+    with pytest.raises(ValueError, match=r"environment variable X='ten' is not a whole number; "
+                                         r"unset it or give e\.g\. X=40"):
+        env_int({"X": "ten"}, "X", example=40)
+    with pytest.raises(ValueError, match="X=0: must be at least 1"):
+        env_int({"X": "0"}, "X", least=1)
+    with pytest.raises(ValueError, match="environment variable RANK='a' is not a whole number"):
+        parse_env_int("RANK", "a")
+
+
+def test_loopback_gloo_keeps_the_users_choice():
+    from lockstep.env import loopback_gloo, loopback_interface
+
+    assert loopback_gloo({"GLOO_SOCKET_IFNAME": "eth0"}) == {}
+    name = loopback_interface()
+    assert loopback_gloo({}) == ({} if name is None else {"GLOO_SOCKET_IFNAME": name})

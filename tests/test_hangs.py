@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import wait_for_files
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
@@ -111,13 +112,6 @@ def test_without_blame_the_order_is_unchanged(tmp_path):
 
 
 # ---- worlds of 2 and 3 ----------------------------------------------------------------------------
-def _wait_for(paths: list[Path], limit_s: float = 90.0) -> None:
-    """The culprit "hangs" until the others have given up (bounded so a bug cannot hang pytest)."""
-    deadline = time.monotonic() + limit_s
-    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 class _Stopped(Exception):
     """The culprit leaves ``join()`` without shadowing its peers (it is the one that hung)."""
 
@@ -139,11 +133,11 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
                     if mode == "leave":
                         return out  # uneven data: exits with 0 while the others go on
                     if mode == "join":
-                        _wait_for(others)  # stuck before its forward, inside join()
+                        wait_for_files(others)  # stuck before its forward, inside join()
                         raise _Stopped
                 loss = model(torch.ones(2, 4)).sum()
                 if rank == culprit and step == 3:
-                    _wait_for(others)  # stuck between forward and backward
+                    wait_for_files(others)  # stuck between forward and backward
                     return out
                 start = time.monotonic()
                 loss.backward()
@@ -157,7 +151,7 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
     Path(directory, f"done-{rank}").touch()
     # Rank 0 hosts the store: it stays until every waiting rank has read its peers' records.
     if rank == 0:
-        _wait_for(others)
+        wait_for_files(others)
     return out
 
 
@@ -211,7 +205,7 @@ def _skip_a_save(rank: int, directory: str) -> str:
     ckpt = lockstep.Checkpointer(Path(directory, "ckpt"), timeout=TIMEOUT_S)
     done = Path(directory, "done-0")
     if rank == 1:
-        _wait_for([done])  # never calls save()
+        wait_for_files([done])  # never calls save()
         return ""
     try:
         ckpt.save(1, model=nn.Linear(2, 2))

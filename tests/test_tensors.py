@@ -32,3 +32,18 @@ def test_map_keeps_container_types_and_non_tensors():
 def test_move_to_device():
     out = move_to([torch.ones(1, dtype=torch.float64)], "cpu")
     assert out[0].device.type == "cpu"
+
+
+def test_batch_size_one_walk_for_every_batch():
+    from lockstep.tensors import batch_size
+
+    @dataclasses.dataclass
+    class Batch:
+        weight: torch.Tensor
+        tokens: torch.Tensor
+
+    # A 0-dim tensor in front (a loss weight, a flag) is not the batch: the next tensor is.
+    assert batch_size((torch.tensor(1.0), torch.zeros(8, 3))) == 8
+    assert batch_size(Batch(torch.tensor(0.5), torch.zeros(4, 2))) == 4
+    assert batch_size({"x": [torch.zeros(5, 6)]}, dim=1) == 6
+    assert batch_size({"n": 3, "flag": torch.tensor(True)}) is None

@@ -253,15 +253,6 @@ def test_wrong_number_of_shards_names_the_rank():
         model.train_step(split_shards(torch.zeros(4, 2), 2), lambda m, b: m(b).sum(), 0)
 
 
-@pytest.fixture
-def world_of_one():
-    info = lockstep.init_distributed(device="cpu")
-    try:
-        yield info
-    finally:
-        lockstep.shutdown_distributed()
-
-
 def test_buckets_equal_the_flat_tree_when_the_last_shard_skips_a_layer(world_of_one):
     from lockstep.ddp.shard_buckets import ShardBuckets
 

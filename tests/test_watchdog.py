@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_for_files
 
 import lockstep
 from lockstep.collective_checks import (
@@ -74,13 +75,6 @@ def _catch(fn) -> str:
     return "no error"
 
 
-def _wait_for(paths: list[Path], limit_s: float = 90.0) -> None:
-    """Rank 1 "hangs" until the others have given up (bounded so a bug cannot hang pytest)."""
-    deadline = time.monotonic() + limit_s
-    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def _hang_after_disagreeing(rank: int, directory: str) -> dict:
     os.environ[DEBUG_ENV_VAR] = "1"  # this worker process only
     lockstep.init_distributed()
@@ -102,7 +96,7 @@ def _hang_after_disagreeing(rank: int, directory: str) -> dict:
         watchdog = CollectiveWatchdog(name=phase, timeout=HANG_TIMEOUT_S, debug=debug)
         markers = [Path(directory, f"{phase}-{r}") for r in (0, 2)]
         if rank == 1:
-            _wait_for(markers)
+            wait_for_files(markers)
             continue
         start = time.monotonic()
         out[phase] = _catch(lambda wd=watchdog: wd.all_reduce(torch.ones(3)))
@@ -110,7 +104,7 @@ def _hang_after_disagreeing(rank: int, directory: str) -> dict:
         Path(directory, f"{phase}-{rank}").touch()
         # Rank 0 hosts the store: leaving before rank 2 has asked it who is missing would
         # turn rank 2's answer into "the store is gone".
-        _wait_for(markers)
+        wait_for_files(markers)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep import hang
+from lockstep import _torch_compat, hang
 from lockstep.checkpoint.io import CheckpointError
 
 __all__ = ["check_agreement", "meet"]
@@ -29,7 +29,7 @@ _POLL_S = 0.2  # at most this long between two looks at the store while waiting
 def _default_store() -> Any:
     # torch keeps the default group's store privately; without it only the diagnosis is lost.
     try:
-        return dist.distributed_c10d._get_default_store()
+        return _torch_compat.default_store()
     except Exception:  # noqa: BLE001
         return None
 

@@ -1,5 +1,7 @@
 """Comm hooks that send fewer bytes, and local SGD that sends less often.
 
+- :mod:`~lockstep.comm.hooks`: the comm-hook interface (``GradBucket``, the default all-reduce
+  hook) that DDP calls and every hook here implements; below both, so neither imports the other.
 - :mod:`~lockstep.comm.compression`: fp16/bf16 all-reduce (half the bytes); the uncompressed
   baseline; DDP's ``mixed_precision`` reduction in another dtype.
 - :mod:`~lockstep.comm.fp32_accumulate`: bf16 on the wire, the mean added up in fp32 (DDP's
@@ -23,6 +25,7 @@ from lockstep.comm.fp32_accumulate import (
     fp32_accumulate_hook,
     fp32_accumulated_mean,
 )
+from lockstep.comm.hooks import GradBucket
 from lockstep.comm.local_sgd import LocalSGD, local_gradients_hook
 from lockstep.comm.powersgd import PowerSGDState, powersgd_hook
 from lockstep.comm.state import ByteCounter, CommState
@@ -31,6 +34,7 @@ __all__ = [
     "ByteCounter",
     "CommState",
     "FP32AccumulateState",
+    "GradBucket",
     "LocalSGD",
     "PowerSGDState",
     "ReduceDtypeState",

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from lockstep.comm.state import CommState, resolve_state
 
-if TYPE_CHECKING:  # lockstep.ddp imports this module (DDP's mixed_precision uses its hook)
-    from lockstep.ddp.comm_hooks import GradBucket
+if TYPE_CHECKING:
+    from lockstep.comm.hooks import GradBucket
 
 __all__ = [
     "ReduceDtypeState",

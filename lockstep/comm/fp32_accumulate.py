@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from lockstep.comm.state import ByteCounter, CommState, resolve_state
 
-if TYPE_CHECKING:  # lockstep.ddp imports this module (DDP's reduce_dtype= installs its hook)
-    from lockstep.ddp.comm_hooks import GradBucket
+if TYPE_CHECKING:
+    from lockstep.comm.hooks import GradBucket
 
 __all__ = [
     "FP32AccumulateState",
@@ -151,7 +151,7 @@ def _reduce(
 ) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     if buffer.is_sparse:  # a sparse embedding's bucket: its rows differ by rank, nothing to split
-        from lockstep.ddp.comm_hooks import allreduce_hook
+        from lockstep.comm.hooks import allreduce_hook
 
         return allreduce_hook(group, bucket)
     world = dist.get_world_size(group)

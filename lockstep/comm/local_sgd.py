@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.comm.hooks import GradBucket, completed_future
 from lockstep.comm.state import ByteCounter
-from lockstep.ddp.comm_hooks import GradBucket, completed_future
-from lockstep.distributed import resolve_group
+from lockstep.distributed import global_rank, resolve_group
 
 __all__ = ["LocalSGD", "local_gradients_hook"]
 
@@ -148,7 +148,7 @@ class LocalSGD:
 
     @torch.no_grad()
     def _broadcast_from_first_rank(self) -> None:
-        source = dist.get_global_rank(self.process_group, 0)
+        source = global_rank(self.process_group, 0)
         for tensor in self._params + self._buffers:
             dist.broadcast(tensor, src=source, group=self.process_group)
 

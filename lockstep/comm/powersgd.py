@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.comm.compression import compress_hook
+from lockstep.comm.hooks import GradBucket, completed_future
 from lockstep.comm.state import ByteCounter
-from lockstep.ddp.comm_hooks import GradBucket, completed_future
 from lockstep.distributed import resolve_group
 
 __all__ = ["PowerSGDState", "powersgd_hook"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lockstep._torch_compat import current_graph_task_id
 from lockstep.tensors import iter_tensors
 
 __all__ = ["current_backward_id", "hook_outputs"]
@@ -44,4 +45,4 @@ def hook_outputs(output: Any, on_grad: Callable[[], None]) -> int:
 
 def current_backward_id() -> int:
     """An id of the graph task (backward pass) running on this thread; -1 outside backward."""
-    return int(torch._C._current_graph_task_id())
+    return current_graph_task_id()

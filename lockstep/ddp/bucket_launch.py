@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from lockstep import collective_checks, hang
+from lockstep.comm.hooks import GradBucket
 from lockstep.ddp.bucket import Bucket
 from lockstep.ddp.bucket_layout import BucketLayout
-from lockstep.ddp.comm_hooks import GradBucket
+from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
 from lockstep.ddp.streams import note_stream, wait_for_writers
-from lockstep.doctor.recorder import Recorder
 from lockstep.progress import GroupProgress
 
 __all__ = ["BucketRound", "ReducerSettings", "launch_zeros"]
@@ -52,7 +52,7 @@ class ReducerSettings(Protocol):
     @property
     def comm_state(self) -> Any: ...
     @property
-    def clock(self) -> Recorder | None: ...
+    def clock(self) -> StepObserver | None: ...
     @property
     def grad_scale(self) -> float: ...
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lockstep import hang
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets, complete_order
+from lockstep.distributed import global_rank
 from lockstep.progress import GroupProgress
 
 __all__ = ["BucketLayout"]
@@ -80,7 +81,7 @@ class BucketLayout:
                              dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             order = order.to(self.params[0].device)
-        src = dist.get_global_rank(self.group, 0)
+        src = global_rank(self.group, 0)
         hang.run(self.progress, "DDP bucket-order broadcast",
                  lambda: dist.broadcast(order, src=src, group=self.group))
         self.build(order.cpu().tolist())

@@ -1,154 +1,17 @@
-"""The comm-hook interface: how a bucket of gradients is reduced across ranks.
+"""Kept for existing imports: the comm-hook interface now lives in :mod:`lockstep.comm.hooks`.
 
-A hook is ``hook(state, bucket) -> torch.futures.Future[Tensor]``: it receives a
-:class:`GradBucket` (one flat tensor holding several parameters' gradients) and returns a future
-whose value is the reduced flat tensor, already averaged. The interface matches torch's, so
-torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) also run under lockstep's DDP.
+It sits under both ``lockstep.ddp`` (which calls hooks) and the hooks of ``lockstep.comm``, so
+neither imports the other's internals. lockstep itself imports :mod:`lockstep.comm.hooks`.
 """
 
-from __future__ import annotations
-
-import inspect
-from collections.abc import Callable
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from lockstep.hang import LocalUsageError
+from lockstep.comm.hooks import (
+    CommHook,
+    GradBucket,
+    allreduce_hook,
+    check_annotations,
+    completed_future,
+    returns_future,
+)
 
 __all__ = ["CommHook", "GradBucket", "allreduce_hook", "check_annotations", "completed_future",
            "returns_future"]
-
-
-class GradBucket:
-    """One bucket of gradients handed to a comm hook.
-
-    Args:
-        index: position of the bucket in launch order (0 is reduced first).
-        buffer: the flat tensor holding every gradient of the bucket, back to back.
-        parameters: the parameters whose gradients live in ``buffer``, in buffer order.
-        offsets: start of each parameter's gradient in ``buffer``.
-        is_last: whether this is the last bucket of the iteration.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        buffer: torch.Tensor,
-        parameters: list[torch.nn.Parameter],
-        offsets: list[int],
-        is_last: bool,
-    ) -> None:
-        self._index = index
-        self._buffer = buffer
-        self._parameters = parameters
-        self._offsets = offsets
-        self._is_last = is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self._parameters)
-
-    def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view of the buffer, shaped like the parameter."""
-        return [
-            self._buffer[off : off + p.numel()].view_as(p)
-            for p, off in zip(self._parameters, self._offsets)
-        ]
-
-    def offsets(self) -> list[int]:
-        return list(self._offsets)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-
-CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
-
-
-def completed_future(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future that already holds ``value`` (for hooks that need no communication)."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def allreduce_hook(
-    process_group: dist.ProcessGroup | None, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """The default hook: the mean over ranks by one asynchronous all-reduce.
-
-    Dividing before the sum (not after) keeps fp16 gradients from overflowing in the sum.
-    """
-    group = process_group if process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    tensor = bucket.buffer()
-    tensor.div_(world)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def returns_future(hook: Callable) -> Callable:
-    """``hook``, checked to return a ``torch.futures.Future`` (torch raises RuntimeError too)."""
-    name = getattr(hook, "__qualname__", None) or repr(hook)
-
-    def checked(state: Any, bucket: GradBucket) -> torch.futures.Future:
-        fut = hook(state, bucket)
-        if not callable(getattr(fut, "wait", None)):  # torch._C.Future or torch.futures.Future
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise LocalUsageError(  # a RuntimeError, as torch's; not blamed on a peer
-                f"rank {rank}: DistributedDataParallel: comm hook {name} returned "
-                f"{type(fut).__name__}, not a "
-                "torch.futures.Future holding the averaged bucket. Return e.g. "
-                "dist.all_reduce(t, async_op=True).get_future().then(...), or "
-                "lockstep.ddp.comm_hooks.completed_future(tensor) when nothing is sent."
-            )
-        return fut
-
-    checked.__qualname__ = checked.__name__ = getattr(hook, "__name__", "hook")
-    return checked
-
-
-def check_annotations(hook: Callable) -> None:
-    """Raise ValueError, as torch's ``register_comm_hook``, for a wrongly annotated ``hook``.
-
-    The bucket parameter may be unannotated, ``Any`` or ``GradBucket`` (lockstep's or torch's); the
-    return annotation absent or ``torch.futures.Future[torch.Tensor]``. String annotations (from
-    ``from __future__ import annotations``) are compared by name.
-    """
-    name = getattr(hook, "__qualname__", None) or repr(hook)
-    try:
-        sig = inspect.signature(hook)
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    params = list(sig.parameters.values())
-    bucket = sig.parameters.get("bucket", params[1] if len(params) > 1 else None)
-    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
-        ann = bucket.annotation
-        ok = (ann in (GradBucket, getattr(dist, "GradBucket", GradBucket), Any)
-              or (isinstance(ann, str) and ann.split(".")[-1] in ("GradBucket", "Any")))
-        if not ok:
-            raise ValueError(
-                f"register_comm_hook: hook {name}: bucket annotation should be dist.GradBucket "
-                f"(or lockstep.GradBucket), got {ann!r}; fix or remove the annotation."
-            )
-    ret = sig.return_annotation
-    if ret is not inspect.Signature.empty:
-        ok = (ret == torch.futures.Future[torch.Tensor]
-              or (isinstance(ret, str)
-                  and ret.replace(" ", "") in ("torch.futures.Future[torch.Tensor]",
-                                               "Future[torch.Tensor]", "Future[Tensor]")))
-        if not ok:
-            raise ValueError(
-                f"register_comm_hook: hook {name}: return annotation should be "
-                f"torch.futures.Future[torch.Tensor], got {ret!r}; fix or remove the annotation."
-            )

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+
+from lockstep._torch_compat_compile import compile_backend_in_effect, compiled_module_backend
 
 __all__ = [
     "BucketSplitter",
@@ -198,16 +200,12 @@ def active_backend(module: nn.Module) -> tuple[Any, nn.Module] | None:
     its backend; otherwise the ``torch.compile`` context this call runs in gives it.
     """
     # torch keeps both in private places (a compiled module's context, the frame-evaluation
-    # callback chain); they are read here only.
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
-
-    if isinstance(module, OptimizedModule):
-        return innermost_backend(cast(Callable[..., Any], module.dynamo_ctx.callback)), module._orig_mod
-    callback = get_eval_frame_callback()
-    if callback is None or isinstance(callback, bool):  # not compiling / compiled code only
-        return None
-    return innermost_backend(cast(Callable[..., Any], callback)), module
+    # callback chain): lockstep._torch_compat reads them.
+    compiled = compiled_module_backend(module)
+    if compiled is not None:
+        return compiled
+    backend = compile_backend_in_effect()
+    return None if backend is None else (backend, module)
 
 
 class CompiledTwin:

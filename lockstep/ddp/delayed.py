@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
+
+from lockstep._torch_compat import queue_callback
 
 __all__ = ["DelayedAllReduce", "hook_param_name", "split_delayed"]
 
@@ -121,7 +122,7 @@ class DelayedAllReduce:
         work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
         # torch leaves this all-reduce in flight; waiting at the end of backward means the
         # optimizer never reads a half-reduced gradient.
-        Variable._execution_engine.queue_callback(work.wait)
+        queue_callback(work.wait)
         return grad
 
     def remove(self) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from lockstep import hang
 from lockstep.ddp.replica_sync import broadcast_coalesced
+from lockstep.distributed import global_rank
 from lockstep.progress import GroupProgress
 
 __all__ = ["DDPJoinHook", "JoinableModel", "UnevenInputs"]
@@ -90,7 +91,7 @@ class UnevenInputs:
         hang.run(self.progress, "DDP join announcement",
                  lambda: dist.all_reduce(flags, group=self.group))
         active_ranks = flags[2:].nonzero().flatten().tolist()
-        src = dist.get_global_rank(self.group, active_ranks[0]) if active_ranks else None
+        src = global_rank(self.group, active_ranks[0]) if active_ranks else None
         return len(active_ranks), int(flags[0]), bool(flags[1]), src
 
     def announce(self, sync_backward: bool) -> int:
@@ -149,7 +150,7 @@ class UnevenInputs:
         hang.run(self.progress, "DDP join: who ran longest",
                  lambda: dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group))
         src_group_rank = world - 1 - int(key) % world
-        src = dist.get_global_rank(group, src_group_rank)
+        src = global_rank(group, src_group_rank)
         module = self.model.module
         state = [p.data for p in module.parameters()] + list(module.buffers())
         hang.run(self.progress, "DDP join: final model broadcast",

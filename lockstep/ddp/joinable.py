@@ -20,8 +20,8 @@ from lockstep.ddp.join import DDPJoinHook, JoinableModel, UnevenInputs
 
 if TYPE_CHECKING:
     from lockstep.ddp.delayed import DelayedAllReduce
+    from lockstep.ddp.observer import StepObserver
     from lockstep.ddp.reducer import Reducer
-    from lockstep.doctor.recorder import Recorder
 
 __all__ = ["JoinableDDP"]
 
@@ -36,7 +36,7 @@ class JoinableDDP(Joinable):
     _delayed: DelayedAllReduce | None
     _uneven: UnevenInputs | None
     _torch_join: UnevenInputs | None
-    _clock: Recorder | None
+    _clock: StepObserver | None
 
     @property
     def join_device(self) -> torch.device:

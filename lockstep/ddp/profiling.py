@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
+from lockstep._torch_compat import queue_callback
+from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.replica_sync import broadcast_messages, live_buffers
 from lockstep.doctor.arrivals import GradientArrivals
 from lockstep.doctor.recorder import Recorder
@@ -42,7 +43,7 @@ class ProfiledDDP(nn.Module):
     _reducer: Reducer | None
     _trainable_names: list[str]
     _bucket_cap_bytes: int
-    _clock: Recorder | None
+    _clock: StepObserver | None  # the Recorder enable_profiling started
     _profile_hooks: list[Any]
     _arrivals: GradientArrivals | None
 
@@ -102,7 +103,7 @@ class ProfiledDDP(nn.Module):
                     self._bucket_cap_bytes, self._clock)
         if self._reducer is not None:
             self._reducer.clock = self._clock
-        return self._clock
+        return self.profiler
 
     def _profile_model_entry(self) -> dict[str, Any]:
         return _model_entry(self.module, live_buffers(self._buffer_slots), self.forward_sync_buffers)
@@ -110,7 +111,7 @@ class ProfiledDDP(nn.Module):
     @property
     def profiler(self) -> Recorder | None:
         """The recorder :meth:`enable_profiling` started, or None."""
-        return self._clock
+        return cast("Recorder | None", self._clock)
 
     def enable_step_timing(self, enabled: bool = True) -> None:
         """Record forward, backward and exposed-communication seconds (see :meth:`enable_profiling`)."""
@@ -119,7 +120,8 @@ class ProfiledDDP(nn.Module):
     @property
     def step_timings(self) -> list[StepTiming]:
         """One :class:`~lockstep.doctor.records.StepTiming` per backward since timing was enabled."""
-        return self._clock.step_timings if self._clock is not None else []
+        clock = self.profiler
+        return clock.step_timings if clock is not None else []
 
     def _bucket_layout(self) -> list[dict[str, Any]]:
         reducer = self._reducer
@@ -172,7 +174,7 @@ def _model_entry(module: nn.Module, buffers: list[torch.Tensor],
     }
 
 
-def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, synced: bool) -> None:
+def _hook_first_tensor(output: Any, clock: StepObserver, end_on_backward: bool, synced: bool) -> None:
     """Mark the start of backward when the gradient of the first output tensor is computed.
 
     Without a reducer (a world of one) nothing else marks the end of backward, so the hook
@@ -182,7 +184,7 @@ def _hook_first_tensor(output: Any, clock: Recorder, end_on_backward: bool, sync
     def started(grad: torch.Tensor) -> None:
         clock.backward_started()
         if end_on_backward:
-            Variable._execution_engine.queue_callback(
+            queue_callback(
                 functools.partial(clock.backward_ended, synced=synced))
 
     first = next((t for t in iter_tensors(output) if t.requires_grad), None)

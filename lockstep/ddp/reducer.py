@@ -35,14 +35,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from lockstep import collective_checks
+from lockstep._torch_compat import queue_callback
+from lockstep.comm.hooks import GradBucket, allreduce_hook
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
 from lockstep.ddp.bucket import Bucket
 from lockstep.ddp.bucket_launch import BucketRound, launch_zeros
 from lockstep.ddp.bucket_layout import BucketLayout
-from lockstep.ddp.comm_hooks import GradBucket, allreduce_hook
+from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.reducer_errors import (
     graph_changed,
     nested_with_find_unused,
@@ -50,7 +51,6 @@ from lockstep.ddp.reducer_errors import (
     unused,
 )
 from lockstep.ddp.unused import ParameterUsage
-from lockstep.doctor.recorder import Recorder
 from lockstep.progress import GroupProgress
 
 __all__ = ["Reducer"]
@@ -94,7 +94,7 @@ class Reducer:
         self.cap_bytes = bucket_cap_bytes
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] = allreduce_hook
         self.comm_state: Any = group
-        self.clock: Recorder | None = None
+        self.clock: StepObserver | None = None
         # Set by join(): rescales the mean when it must be over the active ranks only.
         self.grad_scale = 1.0
         # LOCKSTEP_DEBUG_COLLECTIVES=1: before each bucket, check every rank reduces the same one.
@@ -177,7 +177,7 @@ class Reducer:
             self._queue_finalize()
 
     def _queue_finalize(self) -> None:
-        Variable._execution_engine.queue_callback(self._finalize)
+        queue_callback(self._finalize)
         self._callback_queued = True
         self._outer_backward = current_backward_id()
         self.progress.set_phase("backward")

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lockstep._torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = [
     "ReplicaMismatchError",
@@ -123,12 +124,12 @@ def broadcast_coalesced(
     """Broadcast ``tensors`` in place from global rank ``src``, few large messages, not many small."""
     is_src = dist.get_rank() == src
     for chunk in _coalesced(tensors):
-        flat = _flatten_dense_tensors([t.detach() for t in chunk])
+        flat = flatten_dense_tensors([t.detach() for t in chunk])
         dist.broadcast(flat, src=src, group=group)
         if is_src:
             continue  # the source already holds these values
         with torch.no_grad():
-            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+            for t, synced in zip(chunk, unflatten_dense_tensors(flat, chunk)):
                 t.copy_(synced)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lockstep.ddp.comm_hooks import GradBucket
+from lockstep.comm.hooks import GradBucket
 
 __all__ = ["SparseGradBucket", "empty_sparse_grad", "expects_sparse_gradients", "sparse_grad_of"]
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from lockstep.ddp.shard_buckets import ShardBuckets
 from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
+from lockstep.distributed import global_rank
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardDDP", "shard_seed", "split_shards"]
@@ -181,7 +182,7 @@ class VirtualShardDDP(nn.Module):
         self.bucket_cap_mb = bucket_cap_mb
         self._buckets: ShardBuckets | None = None
         if self.world_size > 1:
-            source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            source = global_rank(process_group, 0)
             with torch.no_grad():
                 for tensor in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(tensor, source, group=process_group)

@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep import hang
+from lockstep._torch_compat import preserve_version_counter
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
+from lockstep.comm.hooks import check_annotations, returns_future
 from lockstep.ddp import arguments
-from lockstep.ddp.comm_hooks import check_annotations, returns_future
 from lockstep.ddp.compiled import CompiledTwin, active_backend
 from lockstep.ddp.delayed import DelayedAllReduce, hook_param_name, split_delayed
 from lockstep.ddp.join import UnevenInputs
@@ -36,7 +37,8 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
-from lockstep.doctor.env import settings_from_env
+from lockstep.distributed import global_rank
+from lockstep.doctor.profile_env import settings_from_env
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
 
@@ -194,7 +196,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
     def _connect(self) -> None:
         """Everything tied to the process group: rebuilt after unpickling."""
         self.world_size = dist.get_world_size(self.process_group)
-        self._src = dist.get_global_rank(self.process_group, 0)  # rank 0 of the group, globally
+        self._src = global_rank(self.process_group, 0)  # rank 0 of the group, globally
         self._reducer: Reducer | None = None
         self._delayed: DelayedAllReduce | None = None
         self._twin = CompiledTwin(self.module, self.plan_buckets)  # torch.compile's bucket split
@@ -327,7 +329,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         if buffers:
             # Keep version counters: a second forward before backward (GAN, contrastive) would
             # otherwise invalidate the buffers the first one saved for backward (as torch does).
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            with preserve_version_counter(buffers):
                 if self._reducer is None:
                     broadcast_coalesced(buffers, src, self.process_group)
                 else:  # a rank that never arrives is named

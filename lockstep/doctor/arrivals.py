@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
+from lockstep._torch_compat import queue_callback
 from lockstep.ddp.bucket import BucketSpec, assign_buckets
 from lockstep.doctor.recorder import Recorder
 
@@ -63,7 +63,7 @@ class GradientArrivals:
 
     def _on_grad(self, index: int, _param: torch.Tensor) -> None:
         if not self._arrived:
-            Variable._execution_engine.queue_callback(self._backward_done)
+            queue_callback(self._backward_done)
             self._left = [len(members) for members in self._buckets]
         self._arrived.append(index)
         bucket = self._bucket_of.get(index)

@@ -1,7 +1,7 @@
 """``lockstep doctor``: run a script at world 1 and world N, and explain the speedup.
 
 The script runs unchanged under ``lockstep run``: the doctor only sets ``LOCKSTEP_PROFILE*``
-(see ``env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
+(see ``profile_env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
 run after ``--steps`` steps. Both runs use the script's own batch per worker, so world N does N
 times the work of world 1 per step. On a machine without GPUs the world-1 run gets one worker's
 share of the cores (``OMP_NUM_THREADS``), as one of N workers would.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.doctor.account import Account, speedup_account
-from lockstep.doctor.env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
+from lockstep.doctor.profile_env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
 from lockstep.doctor.profile_file import build_profile, load_ranks, timeline
 from lockstep.doctor.render import plot_timeline, write_trace
 
@@ -45,8 +45,8 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
-    from lockstep.cli import build_parser
-    from lockstep.launcher.config import plan_from_args
+    from lockstep.launcher.flags import add_run_arguments
+    from lockstep.launcher.plan import plan_from_args
     from lockstep.launcher.run import launch, scoped_environ
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,9 +60,12 @@ def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
         if not torch.cuda.is_available():
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
             env["OMP_NUM_THREADS"] = str(max(1, cores // args.nproc_per_node))
-    run_args = build_parser().parse_args(
-        ["run", "--nproc-per-node", str(world), args.training_script,
-         *args.training_script_args])
+    # `lockstep run`'s own flags and defaults (launcher/flags.py), so the doctor's runs are
+    # planned exactly as `lockstep run --nproc-per-node WORLD script args` would be.
+    run_parser = argparse.ArgumentParser(prog="lockstep run")
+    add_run_arguments(run_parser)
+    run_args = run_parser.parse_args(
+        ["--nproc-per-node", str(world), args.training_script, *args.training_script_args])
     plan = plan_from_args(run_args)
     print(f"lockstep doctor: running {args.training_script} on {world} worker(s) for at most "
           f"{args.steps} steps", file=sys.stderr, flush=True)

@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+
+from lockstep._torch_compat import queue_callback
 
 __all__ = ["DP_PHASES", "DataParallelRecorder"]
 
@@ -91,7 +92,7 @@ class DataParallelRecorder:
     def _backward_started(self, grad: torch.Tensor) -> None:
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
-            Variable._execution_engine.queue_callback(self._backward_ended)
+            queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         if self._backward_start is not None:

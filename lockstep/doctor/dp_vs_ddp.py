@@ -157,13 +157,16 @@ def _ddp_worker(
     rank: int, model_fn: ModelFn, batch_fn: BatchFn, kind: str, total: int, warmup: int,
     loss_fn: LossFn, optimizer_fn: OptimizerFn,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    import lockstep
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.distributed import init_distributed
     from lockstep.doctor.api import gather_report
 
-    info = lockstep.init_distributed()
+    info = init_distributed()
     device = _device(kind, info.local_rank)
-    model = lockstep.DistributedDataParallel(model_fn().to(device))
+    model = DistributedDataParallel(model_fn().to(device))
     recorder = model.enable_profiling(warmup=warmup)
+    if recorder is None:  # enable_profiling(enabled=True) always starts one
+        raise RuntimeError("DistributedDataParallel.enable_profiling() returned no recorder")
     optimizer = optimizer_fn(model.parameters())
     for step in range(total):
         inputs, targets = batch_fn(step)

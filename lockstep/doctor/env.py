@@ -1,19 +1,16 @@
-"""Profiling switched on from the environment, so a user's script needs no change.
-
-``lockstep doctor`` launches the script with these variables set; every
-:class:`lockstep.DistributedDataParallel` built in a worker reads them.
-
-- ``LOCKSTEP_PROFILE``: folder where each rank writes ``rank<R>.json`` (profiling is on when set).
-- ``LOCKSTEP_PROFILE_STEPS``: end the process after this many steps (a bounded run).
-- ``LOCKSTEP_PROFILE_WARMUP``: first steps left out of summaries (default 5).
-- ``LOCKSTEP_PROFILE_EVERY``: steps between cross-rank summaries logged on rank 0 (default 0).
+"""Kept for existing imports: the profiling environment now lives in
+:mod:`lockstep.doctor.profile_env` (renamed so that it no longer shares a name with
+:mod:`lockstep.env`, which says who a process is). lockstep itself imports the new name.
 """
 
-from __future__ import annotations
-
-import os
-from collections.abc import Mapping
-from typing import Any
+from lockstep.doctor.profile_env import (
+    EVERY_ENV,
+    PROFILE_ENV,
+    STEPS_ENV,
+    WARMUP_ENV,
+    profiling_requested,
+    settings_from_env,
+)
 
 __all__ = [
     "EVERY_ENV",
@@ -23,43 +20,3 @@ __all__ = [
     "profiling_requested",
     "settings_from_env",
 ]
-
-PROFILE_ENV = "LOCKSTEP_PROFILE"
-STEPS_ENV = "LOCKSTEP_PROFILE_STEPS"
-WARMUP_ENV = "LOCKSTEP_PROFILE_WARMUP"
-EVERY_ENV = "LOCKSTEP_PROFILE_EVERY"
-
-
-def profiling_requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the environment asks for profiling (``LOCKSTEP_PROFILE`` is set)."""
-    return bool((os.environ if environ is None else environ).get(PROFILE_ENV))
-
-
-def _int(environ: Mapping[str, str], name: str, default: int | None, least: int) -> int | None:
-    text = environ.get(name, "")
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a whole number; unset it or give e.g. {name}=40")
-    if value < least:
-        raise ValueError(f"{name}={value}: must be at least {least}")
-    return value
-
-
-def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """Keyword arguments for ``enable_profiling`` from the environment, or None when off.
-
-    Raises:
-        ValueError: a variable that is not a valid number (the message names it).
-    """
-    environ = os.environ if environ is None else environ
-    if not profiling_requested(environ):
-        return None
-    return {
-        "out_dir": environ[PROFILE_ENV],
-        "max_steps": _int(environ, STEPS_ENV, None, 1),
-        "warmup": _int(environ, WARMUP_ENV, 5, 0),
-        "gather_every": _int(environ, EVERY_ENV, 0, 0),
-    }

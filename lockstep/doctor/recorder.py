@@ -38,6 +38,7 @@ from lockstep.doctor.records import (
     phases_of,
 )
 from lockstep.doctor.stamps import Stamp, Stamps
+from lockstep.tensors import batch_size
 
 __all__ = ["Recorder"]
 
@@ -126,7 +127,7 @@ class Recorder:
             # No optimizer of this model was seen: the step ended with its last backward.
             self._close(self._cur.backwards[-1][2])
         if self.batch_size is None and inputs is not None:
-            self.batch_size = _batch_size(inputs)
+            self.batch_size = batch_size(inputs)
         self._fwd = [now, now, now]
         self._cur.forwards.append(self._fwd)
         self._bwd = None
@@ -343,19 +344,6 @@ def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
 
 def _flat(spans: list[list[Any]]) -> list[Any]:
     return [m for span in spans for m in span]
-
-
-def _batch_size(inputs: Any) -> int | None:
-    stack = [inputs]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            return int(obj.shape[0]) if obj.dim() > 0 else None
-        if isinstance(obj, (list, tuple)):
-            stack.extend(reversed(obj))
-        elif isinstance(obj, dict):
-            stack.extend(reversed(list(obj.values())))
-    return None
 
 
 def _device_name(device: torch.device) -> str | None:

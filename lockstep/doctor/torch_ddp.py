@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -47,8 +46,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import lockstep.ddp  # noqa: F401  - first: lockstep.ddp and the doctor's recorder import each other
+from lockstep._torch_compat import queue_callback
 from lockstep.doctor.arrivals import GradientArrivals
-from lockstep.doctor.env import settings_from_env
+from lockstep.doctor.profile_env import settings_from_env
 from lockstep.doctor.recorder import Recorder
 from lockstep.tensors import iter_tensors
 
@@ -66,8 +66,7 @@ def _after_backward(callback: Callable[[], None]) -> None:
     order and one queued from a callback runs after all queued before it, so queuing twice puts
     this after the reducer's ``finalize_backward`` (queued when its last bucket became ready).
     """
-    engine = Variable._execution_engine
-    engine.queue_callback(lambda: engine.queue_callback(callback))
+    queue_callback(lambda: queue_callback(callback))
 
 
 class DDPObserver:

@@ -40,7 +40,7 @@ from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replica_cache import ReplicaCache
 from lockstep.dp.replicate import check_module_device, replicate
 from lockstep.dp.scatter_gather import gather, named_tensors, scatter_kwargs
-from lockstep.tensors import iter_tensors, move_to
+from lockstep.tensors import batch_size, iter_tensors, move_to
 
 __all__ = ["DataParallel", "resolve_device_ids"]
 
@@ -360,9 +360,9 @@ def _batch_size(piece: Any, dim: int) -> int:
     """Samples in one replica's piece: the size along ``dim`` of its first splittable tensor."""
     _, _, targets = piece
     for obj in (targets, piece):
-        for tensor in iter_tensors(obj):
-            if tensor.dim() > 0:
-                return tensor.size(dim)
+        size = batch_size(obj, dim)
+        if size is not None:
+            return size
     return 1
 
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lockstep.distributed import DeviceUnavailableError
+
 __all__ = ["DeviceLike", "as_device", "resolve_device_ids", "resolve_output_device"]
 
 DeviceLike = torch.device | str | int
@@ -52,7 +54,7 @@ def _check_cuda(device: torch.device) -> torch.device:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = device.index if device.index is not None else (torch.cuda.current_device() if count else 0)
     if index >= count:
-        raise ValueError(f"device_ids names cuda:{index} but {count} CUDA device(s) are visible; "
+        raise DeviceUnavailableError(f"device_ids names cuda:{index} but {count} CUDA device(s) are visible; "
                          "check CUDA_VISIBLE_DEVICES or pass existing indices")
     return torch.device("cuda", index)
 

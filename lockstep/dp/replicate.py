@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from lockstep._torch_compat import refresh_rnn_flat_weights
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
@@ -129,10 +130,7 @@ def _refresh_cached_references(clone: nn.Module) -> None:
     torch's RNNs (LSTM, GRU, RNN) run from ``_flat_weights``, a list of their parameters made at
     construction; the shallow copy would still share the original list of original tensors.
     """
-    if isinstance(clone, nn.RNNBase):
-        clone.__dict__["_flat_weights"] = [
-            clone._parameters.get(name) for name in clone._flat_weights_names
-        ]
+    refresh_rnn_flat_weights(clone)
 
 
 def _copy_coalesced(

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
+from lockstep._torch_compat import queue_callback
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -45,7 +45,7 @@ class RootState:
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.finish_backward)
+            queue_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
         """End of backward: reduce what did not get every gradient, then land every reduction."""

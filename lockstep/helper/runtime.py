@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from typing_extensions import Self
 
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, shutdown_distributed
-from lockstep.doctor.env import profiling_requested
+from lockstep.doctor.profile_env import profiling_requested
 from lockstep.env import ProcessInfo
 from lockstep.helper.collectives import Metric, all_reduce_metrics, gather_for_eval
 from lockstep.helper.loader import ShardedLoader

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lockstep.env import loopback_gloo
 from lockstep.launcher.payload import interactive_main, pack, unpack
 
 __all__ = ["WorkerError", "find_free_port", "spawn"]
@@ -82,8 +83,7 @@ def _worker_env(rank: int, nprocs: int, port: int, threads: int | None) -> dict[
     })
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # a one-machine world talks over loopback only
+    env.update(loopback_gloo(env))  # a one-machine world talks over loopback only
     return env
 
 

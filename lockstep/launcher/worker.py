@@ -75,7 +75,7 @@ def run_script(target: str, args: list[str], as_module: bool = False) -> None:
 
 def _observe_torch_ddp() -> None:
     """Under ``lockstep doctor`` (``LOCKSTEP_PROFILE``): record torch's own DDP as well."""
-    from lockstep.doctor.env import profiling_requested
+    from lockstep.doctor.profile_env import profiling_requested
 
     if profiling_requested():
         from lockstep.doctor.torch_ddp import observe_torch_ddp

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 
-__all__ = ["loopback_gloo", "omp_threads"]
+from lockstep.env import loopback_gloo
 
-_LOOPBACK_IFNAME = "lo"  # Linux's name for the loopback interface
+__all__ = ["loopback_gloo", "omp_threads"]
 
 
 def omp_threads(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
@@ -21,14 +20,3 @@ def omp_threads(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // nproc))}
-
-
-def loopback_gloo(environ: Mapping[str, str]) -> dict[str, str]:
-    """Keep gloo's listening sockets on loopback for a single-machine job.
-
-    gloo otherwise listens on the address the host name resolves to, which may face a network.
-    """
-    if "GLOO_SOCKET_IFNAME" in environ or not hasattr(socket, "if_nameindex"):
-        return {}
-    names = {name for _, name in socket.if_nameindex()}
-    return {"GLOO_SOCKET_IFNAME": _LOOPBACK_IFNAME} if _LOOPBACK_IFNAME in names else {}

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.distributed import global_rank
 from lockstep.pipeline import comms
 from lockstep.pipeline.schedule import Action
 from lockstep.pipeline.stage import StageRunner
@@ -27,14 +28,8 @@ class StagePeers:
 
     def __init__(self, group: dist.ProcessGroup | None, index: int, num_stages: int) -> None:
         self.group = group
-        self.prev = _global_rank(group, index - 1) if index > 0 else None
-        self.next = _global_rank(group, index + 1) if index < num_stages - 1 else None
-
-
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    if group is None or group is dist.group.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
+        self.prev = global_rank(group, index - 1) if index > 0 else None
+        self.next = global_rank(group, index + 1) if index < num_stages - 1 else None
 
 
 def _last_backward(actions: Sequence[Action]) -> int | None:

@@ -189,7 +189,7 @@ def _sweep(rank: int, sizes: Sequence[int], rounds: int) -> dict[str, list[list[
 def measure_link_sweep(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                        repeats: int = DEFAULT_ROUNDS, timeout: float = 300.0) -> LinkSweep:
     """Spawn ``nproc`` ranks on this machine and sweep ``repeats`` rounds of ``sizes`` bytes."""
-    from lockstep.multiproc import spawn
+    from lockstep.launcher.spawn import spawn
 
     if nproc < 2:
         raise ValueError(f"--measure-link needs at least 2 ranks, got {nproc}")

@@ -51,7 +51,7 @@ def throttle_hook(state: Throttle, bucket: Any) -> torch.futures.Future[torch.Te
     """A comm hook: the default all-reduce, then a hold of ``2(n-1)/n * bytes / bandwidth`` s."""
     import torch.distributed as dist
 
-    from lockstep.ddp.comm_hooks import allreduce_hook
+    from lockstep.comm.hooks import allreduce_hook
 
     n = dist.get_world_size()
     nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
@@ -121,7 +121,7 @@ def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, 
     """
     import json
 
-    from lockstep.multiproc import spawn
+    from lockstep.launcher.spawn import spawn
 
     if beside < 0:
         raise ValueError(f"beside must be >= 0 (companion processes), got {beside}")
@@ -179,7 +179,7 @@ def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world:
     With ``sweep_sizes``, the same processes first run :func:`~lockstep.plan.measure.sweep_allreduce`
     right before the timed steps; ``"link"`` is then the :class:`~lockstep.plan.measure.LinkSweep`.
     """
-    from lockstep.multiproc import spawn
+    from lockstep.launcher.spawn import spawn
     from lockstep.plan.measure import LinkSweep
 
     rows = spawn(_ddp_worker, world, (build, make_batch, loss_fn, steps, throttle, sweep_sizes),

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep import hang
+from lockstep.distributed import global_ranks
 from lockstep.progress import group_progress
 
 __all__ = ["OwnerBucket", "attach_views", "broadcast_buckets", "global_ranks", "make_buckets"]
@@ -45,14 +46,6 @@ def make_buckets(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> list[Owne
             by_dtype.setdefault(p.dtype, []).append(p)
         buckets.extend(OwnerBucket(owner, dtype, ps) for dtype, ps in by_dtype.items())
     return buckets
-
-
-def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """The global rank of each rank of ``group`` (collectives name their source globally)."""
-    world = dist.get_world_size(group)
-    if group is None or group is dist.group.WORLD:
-        return list(range(world))
-    return [dist.get_global_rank(group, r) for r in range(world)]
 
 
 def attach_views(bucket: OwnerBucket) -> None:

@@ -1,0 +1,177 @@
+"""The one seam to torch's private internals: every private torch name lockstep uses is here.
+
+Each function names one private piece of torch, says why lockstep needs it, and fails with
+:class:`TorchCompatError` naming the installed torch version when that torch lacks it (a
+rename would otherwise surface as an ``AttributeError`` deep in a backward pass). The rest of
+lockstep reads as if it used only public torch; ``tests/test_layers.py`` fails when a private
+torch name appears outside this module, and ``tests/test_torch_compat.py`` checks that each one
+exists on the installed torch (lockstep supports torch >= ``OLDEST_TORCH``; run that test under
+the oldest supported torch as well as the pinned one).
+
+torch.compile's internals are in :mod:`lockstep._torch_compat_compile`, apart, because
+marking their frames for Dynamo imports Dynamo (over a second), which a process that never
+compiles should not pay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "OLDEST_TORCH",
+    "BatchNormBase",
+    "RendezvousInternals",
+    "TorchCompatError",
+    "current_graph_task_id",
+    "default_store",
+    "flatten_dense_tensors",
+    "forget_shared_store_server",
+    "preserve_version_counter",
+    "queue_callback",
+    "refresh_rnn_flat_weights",
+    "rendezvous_internals",
+    "unflatten_dense_tensors",
+]
+
+OLDEST_TORCH = "2.4"  # pyproject.toml's `torch>=`; every name below exists there and on 2.13
+
+
+class TorchCompatError(RuntimeError):
+    """A private torch name lockstep relies on is missing from the installed torch."""
+
+
+def _missing(what: str, why: str, err: Exception) -> TorchCompatError:
+    return TorchCompatError(
+        f"torch {torch.__version__} has no {what} (lockstep uses it to {why}): {err}. "
+        f"lockstep supports torch >= {OLDEST_TORCH} up to the version it pins; install one of "
+        "those, or report this torch version to lockstep."
+    )
+
+
+# ---- autograd engine ----------------------------------------------------------------------
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (autograd's engine callback queue).
+
+    Callbacks run in queue order once every gradient of the graph task is computed; one queued
+    from a callback runs after all those queued before it. torch's own DDP and FSDP use it.
+    """
+    try:
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        queue = engine.queue_callback
+    except AttributeError as err:
+        raise _missing("Variable._execution_engine.queue_callback",
+                       "act when a backward pass ends", err) from err
+    queue(callback)
+
+
+def current_graph_task_id() -> int:
+    """An id of the graph task (backward pass) running on this thread; -1 outside backward."""
+    try:
+        task_id = torch._C._current_graph_task_id
+    except AttributeError as err:
+        raise _missing("torch._C._current_graph_task_id",
+                       "tell one backward pass from the next", err) from err
+    return int(task_id())
+
+
+@contextlib.contextmanager
+def preserve_version_counter(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Write into ``tensors`` in place without bumping their version counters (as torch's DDP
+    does for buffers it broadcasts: a second forward must not invalidate what the first saved)."""
+    try:
+        preserve = torch.autograd._unsafe_preserve_version_counter
+    except AttributeError as err:
+        raise _missing("torch.autograd._unsafe_preserve_version_counter",
+                       "broadcast buffers between two forwards", err) from err
+    with preserve(tuple(tensors)):
+        yield
+
+
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor holding ``tensors`` back to back (torch's coalesced broadcasts use it)."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: torch.Tensor,
+                            tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat`` shaped like ``tensors`` (the inverse of :func:`flatten_dense_tensors`)."""
+    from torch._utils import _unflatten_dense_tensors
+
+    return tuple(_unflatten_dense_tensors(flat, tensors))
+
+
+# ---- modules ---------------------------------------------------------------------------
+# The base class of torch's BatchNorm1d/2d/3d (and of its SyncBatchNorm): lockstep's
+# SyncBatchNorm derives from it so that isinstance checks and state dicts match torch's.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
+
+# ---- module internals ------------------------------------------------------------------------------
+def refresh_rnn_flat_weights(module: nn.Module) -> None:
+    """Point an RNN's cached ``_flat_weights`` list at the module's current parameters.
+
+    torch's RNNs (LSTM, GRU, RNN) run from a list of their parameters made at construction;
+    a replica made by shallow copy would still use the original's tensors. No-op for others.
+    """
+    if not isinstance(module, nn.RNNBase):
+        return
+    try:
+        names = module._flat_weights_names
+    except AttributeError as err:
+        raise _missing("nn.RNNBase._flat_weights_names", "replicate an RNN", err) from err
+    module.__dict__["_flat_weights"] = [module._parameters.get(name) for name in names]
+
+
+# ---- process groups -----------------------------------------------------------------------
+def default_store() -> Any:
+    """The default process group's store, or None when no default group exists.
+
+    torch keeps it privately; it is the one place every rank can read without joining a
+    collective, which is what hang diagnosis needs.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        get = dist.distributed_c10d._get_default_store
+    except AttributeError as err:
+        raise _missing("torch.distributed.distributed_c10d._get_default_store",
+                       "read other ranks' progress without a collective", err) from err
+    return get()
+
+
+# ---- elastic rendezvous -------------------------------------------------------------------
+class RendezvousInternals(NamedTuple):
+    """What lockstep's rendezvous handler reads of torch's ``DynamicRendezvousHandler``."""
+
+    store: Any  # the rendezvous store
+    settings: Any  # RendezvousSettings: run_id, keep_alive_interval…
+    state: Any  # the last synced _RendezvousState: round, participants, wait_list…
+    this_node: Any  # _NodeDesc of this launcher
+
+
+def rendezvous_internals(handler: Any) -> RendezvousInternals:
+    """The private members of a ``DynamicRendezvousHandler`` that reports need."""
+    try:
+        return RendezvousInternals(handler._store, handler._settings,
+                                   handler._state_holder.state, handler._this_node)
+    except AttributeError as err:
+        raise _missing("DynamicRendezvousHandler._store/_settings/_state_holder/_this_node",
+                       "report who is in a rendezvous", err) from err
+
+
+def forget_shared_store_server(handler: Any) -> None:
+    """Make ``next_rendezvous`` build a fresh TCP store rather than reuse the last round's."""
+    if not hasattr(handler, "_shared_tcp_store_server"):
+        raise _missing("DynamicRendezvousHandler._shared_tcp_store_server",
+                       "start each rendezvous round on a fresh store",
+                       AttributeError("_shared_tcp_store_server"))
+    handler._shared_tcp_store_server = None
+    handler._bootstrap_store_info = None

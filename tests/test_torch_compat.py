@@ -1,0 +1,129 @@
+"""Every torch private lockstep uses exists on this torch and does what lockstep relies on; a
+missing one fails with TorchCompatError naming the torch version.
+
+Run this file under the oldest supported torch (lockstep._torch_compat.OLDEST_TORCH) as well as
+the pinned one: ``pip install torch==2.4.* && python -m pytest -q tests/test_torch_compat.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep import _torch_compat as compat
+from lockstep._torch_compat_compile import compile_backend_in_effect, compiled_module_backend
+
+
+def test_queue_callback_runs_when_backward_ends():
+    order: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+
+    def hook(grad: torch.Tensor) -> None:
+        order.append("hook")
+        compat.queue_callback(lambda: order.append("end"))
+
+    y.register_hook(hook)
+    y.sum().backward()
+    assert order == ["hook", "end"]
+
+
+def test_current_graph_task_id_inside_and_outside_backward():
+    seen: list[int] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(compat.current_graph_task_id()))
+    y.sum().backward()
+    assert compat.current_graph_task_id() == -1
+    assert seen and seen[0] >= 0
+
+
+def test_preserve_version_counter_keeps_the_version():
+    t = torch.zeros(3)
+    before = t._version
+    with compat.preserve_version_counter([t]):
+        t.add_(1)
+    assert t._version == before
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_flatten_and_unflatten_round_trip():
+    tensors = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = compat.flatten_dense_tensors(tensors)
+    assert flat.numel() == 7
+    back = compat.unflatten_dense_tensors(flat, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
+def test_refresh_rnn_flat_weights_points_at_the_clone_parameters():
+    lstm = nn.LSTM(3, 4)
+    clone = copy.copy(lstm)
+    clone._parameters = {k: nn.Parameter(v.detach().clone()) for k, v in lstm._parameters.items()}
+    compat.refresh_rnn_flat_weights(clone)
+    assert all(a is clone._parameters[n] for a, n in zip(clone._flat_weights,
+                                                          clone._flat_weights_names))
+    compat.refresh_rnn_flat_weights(nn.Linear(2, 2))  # not an RNN: nothing to do
+
+
+def test_default_store_none_without_group_and_the_store_with_one():
+    assert compat.default_store() is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = compat.default_store()
+        store.set("lockstep/compat", "ok")
+        assert store.get("lockstep/compat") == b"ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compile_backends():
+    compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+    backend, original = compiled_module_backend(compiled)
+    assert callable(backend) and isinstance(original, nn.Linear)
+    assert compiled_module_backend(nn.Linear(2, 2)) is None
+    assert compile_backend_in_effect() is None  # eager
+
+
+def test_rendezvous_internals_on_a_real_handler():
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    store = dist.HashStore()
+    handler = DynamicRendezvousHandler.from_backend(
+        "compat", store, C10dRendezvousBackend(store, "compat"), min_nodes=1, max_nodes=1)
+    internals = compat.rendezvous_internals(handler)
+    assert internals.settings.run_id == "compat"
+    assert internals.store is not None and internals.this_node is not None
+    assert internals.state.round == 0
+    compat.forget_shared_store_server(handler)
+
+
+def test_batch_norm_base_is_torchs():
+    assert isinstance(nn.BatchNorm1d(3), compat.BatchNormBase)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: compat.current_graph_task_id(),
+    lambda: compat.queue_callback(lambda: None),
+])
+def test_a_missing_private_names_the_torch_version(monkeypatch, call):
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
+    with pytest.raises(compat.TorchCompatError, match=re.escape(f"torch {torch.__version__} has no")):
+        call()
+
+
+def test_missing_rendezvous_internals_name_the_torch_version():
+    with pytest.raises(compat.TorchCompatError, match=re.escape(f"torch {torch.__version__}")):
+        compat.rendezvous_internals(object())
+    with pytest.raises(compat.TorchCompatError, match="_shared_tcp_store_server"):
+        compat.forget_shared_store_server(object())
