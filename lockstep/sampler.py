@@ -34,7 +34,7 @@ from torch.utils.data import Sampler
 
 from lockstep.env import detect_process_info
 
-__all__ = ["DistributedSampler", "shard_length"]
+__all__ = ["DistributedSampler", "shard_length", "world_from_context"]
 
 
 def shard_length(remaining: int, num_replicas: int, drop_last: bool) -> int:
@@ -44,7 +44,7 @@ def shard_length(remaining: int, num_replicas: int, drop_last: bool) -> int:
     return math.ceil(remaining / num_replicas)
 
 
-def _world_from_context() -> tuple[int, int]:
+def world_from_context() -> tuple[int, int]:
     """(num_replicas, rank) from the default group, else from the launcher's environment."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
@@ -96,7 +96,7 @@ class DistributedSampler(Sampler[int]):
                     + (f" (pass {name}={int(value)})" if str(value).isdigit() else "")
                 )
         if num_replicas is None or rank is None:
-            world, this_rank = _world_from_context()
+            world, this_rank = world_from_context()
             num_replicas = world if num_replicas is None else num_replicas
             rank = this_rank if rank is None else rank
         if num_replicas < 1:

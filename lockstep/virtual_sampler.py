@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from lockstep.sampler import _world_from_context
+from lockstep.sampler import world_from_context
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardSampler"]
@@ -53,7 +53,7 @@ class VirtualShardSampler(Sampler[list[int]]):
         seed: int = 0,
     ) -> None:
         if num_replicas is None or rank is None:
-            world, me = _world_from_context()
+            world, me = world_from_context()
             num_replicas = world if num_replicas is None else num_replicas
             rank = me if rank is None else rank
         virtual_shards = resolve_virtual_shards(virtual_shards)
