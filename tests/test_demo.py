@@ -85,7 +85,8 @@ def test_demo_on_one_gpu(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import train_gpt
 
-    train_gpt.main([*TINY, "--batch-size", "8", "--out-dir", str(tmp_path)])
+    # --device cuda: conftest sets LOCKSTEP_DEVICE=cpu for the suite, which the demo's default obeys.
+    train_gpt.main([*TINY, "--device", "cuda", "--batch-size", "8", "--out-dir", str(tmp_path)])
     _check_outputs(tmp_path, world_size=1, device="cuda")
 
 

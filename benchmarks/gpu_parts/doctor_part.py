@@ -58,7 +58,9 @@ def _demo(cfg: Config, profiled: bool, tmp: Path, k: int) -> dict:
     """The demo under ``lockstep run`` (profiling off) or ``lockstep doctor`` (on); its tokens/s."""
     out = tmp / f"demo-{'on' if profiled else 'off'}-{k}"
     if profiled:
-        cmd = ["doctor", "--nproc-per-node", "1", "--no-baseline", "--warmup", "2",
+        # --steps past the demo's own end: the doctor stops a run at --steps (default 40), and a
+        # demo stopped early writes no metrics.json, so no tokens/s to compare with profiling off.
+        cmd = ["doctor", "--nproc-per-node", "1", "--no-baseline", "--warmup", "2", "--steps", "1000",
                "--out-dir", str(tmp / f"doctor-{k}")]
     else:
         cmd = ["run", "--nproc-per-node", "1"]
