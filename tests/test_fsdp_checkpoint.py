@@ -284,6 +284,7 @@ def subgroup_worker(rank: int, root: str) -> dict[str, Any] | None:
     lockstep.init_distributed()
     group = dist.new_group([1, 2])  # every rank creates it; rank 0 takes no part after
     if rank == 0:
+        dist.barrier()  # rank 0 hosts the store the Checkpointer's meetings use: stay until the others end
         return None
     me = dist.get_rank(group)
     model, opt = _build(rank, group=group)
@@ -298,6 +299,7 @@ def subgroup_worker(rank: int, root: str) -> dict[str, Any] | None:
             model=ModelState(fresh), optimizer=OptimizerState(fresh, fresh_opt))
         _steps(fresh, fresh_opt, SAVE_AT, STEPS, me, 2)
         out[form] = full_state_dict(fresh)
+    dist.barrier()
     return out
 
 
