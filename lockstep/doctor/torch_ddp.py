@@ -172,13 +172,9 @@ class DDPObserver:
 
     def _backward_ended(self, synced: bool) -> None:
         rec = self.recorder
-        for index in list(rec._bucket_events):
-            rec.bucket_waited(index)
+        rec.buckets_waited()
         rec.backward_ended(synced=synced)
-        if rec._opt_start is not None:
-            # optimizer.step(closure) (Lightning): forward and backward ran inside the step;
-            # the optimizer's own time starts now.
-            rec._opt_start = rec.stamps.now()
+        rec.restart_optimizer_span()  # optimizer.step(closure), as Lightning calls it
 
     def close(self) -> None:
         for handle in self._handles:
