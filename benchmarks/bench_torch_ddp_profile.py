@@ -2,30 +2,59 @@
 
 Usage::
 
-    python benchmarks/bench_torch_ddp_profile.py            # world 2, gloo/CPU
+    python benchmarks/bench_torch_ddp_profile.py                # world 2, gloo/CPU
+    python benchmarks/bench_torch_ddp_profile.py --breakdown    # + microseconds per hook kind
     python benchmarks/bench_torch_ddp_profile.py --quick
 
-Each rank builds two :class:`torch.nn.parallel.DistributedDataParallel` replicas of the same
-model: one observed by :class:`lockstep.doctor.torch_ddp.TorchDDPWatch` (hooks, the wrapping
-comm hook, the recorder), one plain (torch's built-in all-reduce), and one with torch's Python ``allreduce_hook`` (the
-hook the observer wraps), to separate a Python comm hook's own cost. Blocks of steps alternate
-between them (the order reverses every round); the table gives the median wall time per step of
-each and the ratio.
+Each rank builds four :class:`torch.nn.parallel.DistributedDataParallel` replicas of the same
+model (a 9-layer 512-wide MLP, ``bucket_cap_mb=1``):
+
+- ``off``: not observed, torch's built-in (C++) all-reduce;
+- ``py-hook``: not observed, torch's Python ``allreduce_hook`` registered: the floor for any
+  observer of buckets, since a Python comm hook alone already costs something on CPU;
+- ``after``: observed by :class:`lockstep.doctor.torch_ddp.TorchDDPWatch`, whose comm hook
+  launches the default all-reduce itself with one future callback per bucket;
+- ``before``: observed, with ``allreduce_hook`` registered after the first forward, so the
+  observer chains it as it chains any script's hook (and as it chained the default before
+  issue #28): a wrapped hook and two future callbacks per bucket.
+
+Blocks of steps alternate between them (the order reverses every round); each step is timed.
+The table gives each variant's median step, its ratio to ``off``, the ratio of the fastest
+quarters (``p25``: the steps least disturbed by other processes on a shared machine) and the
+median over rounds of the ratio of block medians.
+
+``--breakdown`` times, in the same alternation, every callback the observers register with
+torch, by kind (the comm hook, forward hooks, the backward start/end marks, the grad-ready
+hooks, the optimizer step hooks), in microseconds per step: wrapping every hook costs time of
+its own, so its wall times are not the overhead figures (run without it for those). Future
+callbacks (the comm hook's completion stamps) run on gloo's thread and are not in the breakdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
+import lockstep.doctor.recorder
+import lockstep.doctor.torch_ddp
 from lockstep.doctor.torch_ddp import TorchDDPWatch
+
+VARIANTS = ("off", "py-hook", "after", "before")
+KINDS = ("comm hook", "forward hooks", "backward start/end", "grad-ready hooks", "optimizer hooks")
 
 
 def _model() -> nn.Module:
@@ -34,44 +63,98 @@ def _model() -> nn.Module:
                          nn.Linear(512, 10))
 
 
-def run(rank: int, rounds: int, block: int, warmup: int) -> dict:
-    dist.init_process_group("gloo")
-    watch = TorchDDPWatch({"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0})
-    observed = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
-    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
-    opts = {}
-    opts["on"] = torch.optim.SGD(observed.parameters(), lr=1e-3)
-    nn.functional.cross_entropy(observed(x), y).backward()  # found at its first forward
-    watch.stop_discovery()
-    plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
-    opts["off"] = torch.optim.SGD(plain.parameters(), lr=1e-3)
-    # torch's own Python all-reduce hook, unobserved: what a Python comm hook costs by itself
-    hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=1)
-    hooked.register_comm_hook(dist.group.WORLD, allreduce_hook)
-    opts["py-hook"] = torch.optim.SGD(hooked.parameters(), lr=1e-3)
-    models = {"on": observed, "off": plain, "py-hook": hooked}
+class HookTimes:
+    """Seconds spent in the hooks registered while :meth:`installed`, by variant and kind."""
 
-    def steps(name: str, n: int) -> float:
+    def __init__(self) -> None:
+        self.variant = ""
+        self.seconds: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def _timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # torch reads a comm hook's signature (through __wrapped__)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[self.variant, kind] += time.perf_counter() - start
+        return timed
+
+    def _registrar(self, kind: str, register: Callable[..., Any], hook_at: int) -> Callable[..., Any]:
+        """``register`` with the hook (positional argument ``hook_at``) wrapped in a timer."""
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            args = (*args[:hook_at], self._timed(kind, args[hook_at]), *args[hook_at + 1:])
+            return register(*args, **kwargs)
+        return wrapped
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Wrap every hook registered through torch's public registration functions."""
+        rec_mod, ddp_mod = lockstep.doctor.recorder, lockstep.doctor.torch_ddp
+        patches = [  # (owner, name, kind, index of the hook among the positional arguments)
+            (nn.Module, "register_forward_pre_hook", "forward hooks", 1),
+            (nn.Module, "register_forward_hook", "forward hooks", 1),
+            (torch.Tensor, "register_hook", "backward start/end", 1),
+            (torch.Tensor, "register_post_accumulate_grad_hook", "grad-ready hooks", 1),
+            (TorchDDP, "register_comm_hook", "comm hook", 2),
+            (rec_mod, "register_optimizer_step_pre_hook", "optimizer hooks", 0),
+            (rec_mod, "register_optimizer_step_post_hook", "optimizer hooks", 0),
+            (ddp_mod, "queue_callback", "backward start/end", 0),  # backward's end mark
+        ]
+        with contextlib.ExitStack() as stack:
+            for owner, name, kind, at in patches:
+                original = getattr(owner, name)
+                stack.enter_context(mock.patch.object(owner, name,
+                                                      self._registrar(kind, original, at)))
+            yield
+
+
+def run(rank: int, rounds: int, block: int, warmup: int, breakdown: bool) -> dict:
+    dist.init_process_group("gloo")
+    times = HookTimes()
+    with times.installed() if breakdown else contextlib.nullcontext():
+        return _measure(rounds, block, warmup, times)
+
+
+def _measure(rounds: int, block: int, warmup: int, hook_times: HookTimes) -> dict:
+    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
+    models = {name: TorchDDP(_model(), bucket_cap_mb=1) for name in VARIANTS}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
+    models["py-hook"].register_comm_hook(dist.group.WORLD, allreduce_hook)
+    watch = TorchDDPWatch({"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0})
+    for name in ("after", "before"):  # each found at its first forward
+        nn.functional.cross_entropy(models[name](x), y).backward()
+        opts[name].zero_grad()
+    watch.stop_discovery()
+    models["before"].register_comm_hook(dist.group.WORLD, allreduce_hook)  # chained
+
+    def steps(name: str, n: int) -> list[float]:
         model, opt = models[name], opts[name]
+        hook_times.variant = name
         dist.barrier()
-        start = time.perf_counter()
+        out = []
         for _ in range(n):
+            start = time.perf_counter()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        return (time.perf_counter() - start) / n
+            out.append(time.perf_counter() - start)
+        return out
 
-    for name in models:
+    for name in VARIANTS:
         steps(name, warmup)
-    times: dict[str, list[float]] = {name: [] for name in models}
+    hook_times.seconds.clear()
+    per_round: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     for r in range(rounds):
-        order = ("on", "off", "py-hook")
-        for name in (order if r % 2 == 0 else order[::-1]):
-            times[name].append(steps(name, block))
-    assert watch.observers and watch.observers[0].recorder.step_count > 0
+        for name in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            per_round[name].append(steps(name, block))
+    assert [o.ddp for o in watch.observers] == [models["after"], models["before"]]
+    assert all(o.buckets_observed and o.recorder.step_count > 0 for o in watch.observers)
     watch.close()
     dist.destroy_process_group()
-    return {k: statistics.median(v) for k, v in times.items()}
+    n = rounds * block
+    return {"per_round": per_round,
+            "hooks_us": {f"{v}/{k}": s / n * 1e6 for (v, k), s in hook_times.seconds.items()}}
 
 
 def main() -> None:
@@ -79,16 +162,33 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each kind of hook (microseconds per step)")
     parser.add_argument("--quick", action="store_true", help="a few rounds: proves it runs")
     args = parser.parse_args()
     rounds, block = (4, 5) if args.quick else (args.rounds, args.block)
-    res = lockstep.spawn(run, args.world, (rounds, block, 5), timeout=600)[0]
-    print(f"world {args.world}, gloo/CPU, {rounds} rounds of {block} steps, median per step:")
-    print(f"  torch DDP, not observed: {res['off'] * 1e3:8.2f} ms")
-    print(f"  torch DDP, observed:     {res['on'] * 1e3:8.2f} ms")
-    print(f"  torch DDP, Python allreduce_hook, not observed: {res['py-hook'] * 1e3:8.2f} ms")
-    print(f"  observed / not:          {res['on'] / res['off']:8.3f}")
-    print(f"  observed / Python hook:  {res['on'] / res['py-hook']:8.3f}")
+    res = lockstep.spawn(run, args.world, (rounds, block, 5, args.breakdown), timeout=900)[0]
+    per_round = res["per_round"]
+    steps = {k: [t for block_times in v for t in block_times] for k, v in per_round.items()}
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    p25 = {k: statistics.quantiles(v, n=4)[0] for k, v in steps.items()}
+    by_round = {k: [statistics.median(b) for b in v] for k, v in per_round.items()}
+    print(f"world {args.world}, gloo/CPU, {rounds} alternating rounds of {block} steps, rank 0"
+          + (" (hooks timed: wall times inflated)" if args.breakdown else "") + ":")
+    print(f"  {'variant':10} {'ms/step':>8} {'/ off':>7} {'p25 / off':>10} {'per-round / off':>16}")
+    for name in VARIANTS:
+        rounds_ratio = statistics.median(a / b for a, b in zip(by_round[name], by_round["off"]))
+        print(f"  {name:10} {med[name] * 1e3:8.2f} {med[name] / med['off']:7.3f}"
+              f" {p25[name] / p25['off']:10.3f} {rounds_ratio:16.3f}")
+    print(f"  after / py-hook: {med['after'] / med['py-hook']:.3f}   "
+          f"before / py-hook: {med['before'] / med['py-hook']:.3f}")
+    if args.breakdown:
+        hooks = res["hooks_us"]
+        print("  microseconds per step inside each kind of callback:")
+        print(f"  {'kind':20}" + "".join(f"{v:>10}" for v in VARIANTS))
+        for kind in KINDS:
+            print(f"  {kind:20}" + "".join(f"{hooks.get(f'{v}/{kind}', 0.0):10.0f}"
+                                           for v in VARIANTS))
 
 
 if __name__ == "__main__":

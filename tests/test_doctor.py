@@ -67,6 +67,35 @@ def test_cuda_marks_are_events_resolved_in_order():
     assert stamps.resolve(a, wait=True) <= stamps.resolve(b, wait=True)
 
 
+def test_a_step_closure_s_forward_and_backward_are_not_optimizer_time():
+    """optimizer.step(closure), as Lightning calls it: the observer of torch's DDP restarts the
+    optimizer's span when the closure's backward ends (Recorder.restart_optimizer_span)."""
+    from lockstep.doctor.recorder import Recorder
+
+    param = nn.Parameter(torch.ones(3))
+    rec = Recorder(torch.device("cpu"), [param], warmup=0)
+    opt = torch.optim.SGD([param], lr=0.1)
+
+    def closure() -> torch.Tensor:
+        rec.forward_started()
+        loss = (param * 2).sum()
+        rec.forward_ended()
+        rec.backward_started()
+        loss.backward()
+        rec.buckets_waited()
+        rec.backward_ended()
+        rec.restart_optimizer_span()
+        return loss
+
+    try:
+        opt.step(closure)
+        (step,) = rec.steps
+        (fwd,), (bwd,), (span,) = step.forwards, step.backwards, step.optimizer
+        assert fwd[2] <= bwd[2] <= span[0] <= span[1]
+    finally:
+        rec.close()
+
+
 def test_batch_size_skips_a_scalar_in_front_of_the_batch():
     """The recorder's batch size comes from the first tensor that has a batch dimension (it
     used to give up at a leading 0-dim tensor, a loss weight or a flag, and record none)."""

@@ -15,10 +15,67 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
+import lockstep
 from lockstep.doctor.account import speedup_account
 
 CLIENTS = Path(__file__).parent / "clients"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _observed_and_plain(rank: int, steps: int) -> dict:
+    """Train an observed and an unobserved torch DDP on the same batches; return both."""
+    from lockstep.doctor.torch_ddp import TorchDDPWatch
+
+    lockstep.init_distributed()
+    watch = TorchDDPWatch({"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0})
+    # 10 KB buckets: each 64x64 layer (16 KB) closes one, so there are several
+    observed = nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01)
+    plain = nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01)
+    models = {"observed": observed, "plain": plain}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        for name, model in models.items():
+            nn.functional.cross_entropy(model(x), y).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            watch.stop_discovery()  # the observed model was found at its first forward
+    assert [o.ddp for o in watch.observers] == [observed]
+    rec = watch.observers[0].recorder
+    out = {"params": {n: [p.detach().clone() for p in m.parameters()] for n, m in models.items()},
+           "buckets": [[(b.index, b.launch, b.done, b.waited) for b in s.buckets]
+                       for s in rec.steps],
+           "layout": rec.layout()}
+    watch.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_observed_torch_ddp_reduces_like_torch_and_stamps_each_bucket():
+    steps = 4
+    for r in lockstep.spawn(_observed_and_plain, 2, (steps,), timeout=90):
+        # the observer's comm hook launches the default all-reduce itself: the same bits
+        for a, b in zip(r["params"]["observed"], r["params"]["plain"], strict=True):
+            assert torch.equal(a, b)
+        assert len(r["layout"]) >= 3
+        indices = sorted(b["index"] for b in r["layout"])
+        assert len(r["buckets"]) == steps
+        for step, buckets in enumerate(r["buckets"]):  # one launch and completion per bucket
+            # torch rebuilds its buckets after the first step (one 1 MB bucket before)
+            assert sorted(i for i, _, _, _ in buckets) == (indices if step else [0])
+            assert all(None not in (launch, done, waited) and launch <= done <= waited
+                       for _, launch, done, waited in buckets)
 
 
 def _doctor(script: str, out: Path, slow_rank: int | None, steps: int = 20) -> dict:

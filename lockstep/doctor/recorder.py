@@ -188,8 +188,18 @@ class Recorder:
 
         future.then(completed)
 
+    def bucket_done(self, index: int) -> None:
+        """The bucket's all-reduce completed (for a comm hook that stamps its own future)."""
+        self._bucket_events.setdefault(index, BucketEvents(index)).done = time.perf_counter()
+
     def bucket_waited(self, index: int) -> None:
         self._bucket_events.setdefault(index, BucketEvents(index)).waited = time.perf_counter()
+
+    def buckets_waited(self) -> None:
+        """Every bucket of this backward has been waited for (torch's DDP: backward's end)."""
+        now = time.perf_counter()
+        for ev in self._bucket_events.values():
+            ev.waited = now
 
     # ---- optimizer (torch's global step hooks, filtered to this model's optimizers) -------
     def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -202,6 +212,14 @@ class Recorder:
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._is_ours(optimizer):
+            self._opt_start = self.stamps.now()
+
+    def restart_optimizer_span(self) -> None:
+        """An optimizer step is under way (``step(closure)``): its own time starts now.
+
+        The closure's forward and backward ran inside the step; they are not optimizer time.
+        """
+        if self._opt_start is not None:
             self._opt_start = self.stamps.now()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

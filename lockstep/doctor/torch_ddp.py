@@ -12,8 +12,9 @@ Only public seams are used:
   each torch DDP instance at its first forward (no class is patched);
 - forward: the instance's forward pre/post hooks; backward start: a gradient hook on the first
   output tensor; gradients ready: ``register_post_accumulate_grad_hook`` on each parameter;
-- buckets: a comm hook (``register_comm_hook``) that wraps the default all-reduce, or the hook
-  the script registers afterwards (the instance's ``register_comm_hook`` is replaced, on that
+- buckets: a comm hook (``register_comm_hook``) that launches the default all-reduce itself
+  (one future callback per bucket stamps its completion), or wraps the hook the script
+  registers afterwards (the instance's ``register_comm_hook`` is replaced, on that
   instance only, by one that chains behind the recorder). A hook registered *before* the first
   forward cannot be wrapped: the buckets are then not observed, and a warning says so;
 - optimizer: torch's global optimizer step hooks (in the recorder).
@@ -104,10 +105,12 @@ class DDPObserver:
 
     # ---- comm hook -------------------------------------------------------------------------
     def _wrap_comm_hook(self, ddp: TorchDDP) -> bool:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        self._inner: Callable[[Any, Any], torch.futures.Future] = allreduce_hook
-        self._inner_state: Any = ddp.process_group
+        # None: torch's default all-reduce, which the recorder's own hook launches (see
+        # _comm_hook); otherwise the script's hook and its state, chained behind the recorder.
+        self._inner: Callable[[Any, Any], torch.futures.Future] | None = None
+        self._inner_state: Any = None
+        self._group = ddp.process_group
+        self._world = dist.get_world_size(ddp.process_group)
         try:
             # unannotated: torch checks annotations, which are strings in this module
             ddp.register_comm_hook(None, lambda state, bucket: self._comm_hook(state, bucket))
@@ -129,16 +132,32 @@ class DDPObserver:
         index, rec = bucket.index(), self.recorder
         rec.backward_started()
         rec.bucket_ready(index, self._last_param)
-        rec.bucket_launched(index)
-        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+        buffer = bucket.buffer()
+        nbytes = buffer.numel() * buffer.element_size()
         entry = self._layout.get(index)
         if entry is None or entry["bytes"] != nbytes:
             self._layout[index] = {"index": index, "bytes": nbytes,
                                    "params": [self._names.get(id(p), "?")
                                               for p in bucket.parameters()]}
-        future = self._inner(self._inner_state, bucket)
-        rec.watch_bucket(index, future)
-        return future
+        if self._inner is not None:  # the script's hook: stamp the future it returns
+            rec.bucket_launched(index)
+            future = self._inner(self._inner_state, bucket)
+            rec.watch_bucket(index, future)
+            return future
+        # torch's default, as default_hooks.allreduce_hook does it (divide first, to avoid
+        # overflow, then sum: the same bits as the reducer's built-in all-reduce), launched
+        # here so that one callback both stamps the completion and hands DDP the tensor
+        # (wrapping allreduce_hook chains two; issue #28).
+        buffer.div_(self._world)
+        rec.bucket_launched(index)
+        work = dist.all_reduce(buffer, group=self._group, async_op=True)
+        done = rec.bucket_done
+
+        def completed(fut: torch.futures.Future) -> torch.Tensor:
+            done(index)
+            return fut.value()[0]
+
+        return work.get_future().then(completed)
 
     def _bucket_layout(self) -> list[dict[str, Any]]:
         if self._arrivals is not None:
@@ -172,13 +191,9 @@ class DDPObserver:
 
     def _backward_ended(self, synced: bool) -> None:
         rec = self.recorder
-        for index in list(rec._bucket_events):
-            rec.bucket_waited(index)
+        rec.buckets_waited()
         rec.backward_ended(synced=synced)
-        if rec._opt_start is not None:
-            # optimizer.step(closure) (Lightning): forward and backward ran inside the step;
-            # the optimizer's own time starts now.
-            rec._opt_start = rec.stamps.now()
+        rec.restart_optimizer_span()  # optimizer.step(closure), as Lightning calls it
 
     def close(self) -> None:
         for handle in self._handles:
