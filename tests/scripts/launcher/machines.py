@@ -49,7 +49,7 @@ def main() -> None:
     model = lockstep.DistributedDataParallel(nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     objects = {"model": model, "optimizer": optimizer, "sampler": sampler}
-    ckpt = lockstep.Checkpointer(args.ckpt, keep=2) if args.ckpt else None
+    ckpt = lockstep.Checkpointer(args.ckpt, keep=2, blocking=True) if args.ckpt else None
     resumed = ckpt.restore(**objects) if ckpt else None
     step, epoch = (resumed.step, resumed.epoch) if resumed else (0, 0)
     seen: list[int] = []
