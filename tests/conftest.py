@@ -10,6 +10,10 @@
 - Tests that stand several launchers on this host in for several machines carry
   ``@pytest.mark.multimachine`` (and ``multirank``): ``pytest -m multimachine``.
 - GPU tests carry ``@pytest.mark.gpu`` and are skipped without CUDA.
+- Long scenarios (a second variant of a SIGKILL resume, a second multi-machine case, the GPU
+  acceptance dry run, the slowest doctor and docs commands) carry ``@pytest.mark.slow``: they
+  are skipped unless the ``-m`` expression names ``slow`` (``pytest -m slow`` runs them; CI
+  runs both). Each feature keeps at least one test in the default run.
 """
 
 from __future__ import annotations
@@ -93,6 +97,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("multirank") is None and _needs_multirank(item):
             item.add_marker(pytest.mark.multirank)
+    if "slow" not in (config.getoption("markexpr") or ""):
+        later = pytest.mark.skip(reason="a long scenario: python -m pytest -q -m slow")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(later)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

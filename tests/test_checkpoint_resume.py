@@ -62,6 +62,7 @@ def test_sigkilled_worker_resumes_bitwise_equal(tmp_path):
     assert names == ["step_000000000012", "step_000000000015"]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_sigkilled_worker_resumes_bitwise_equal_with_async_saves(tmp_path):
     """The same kill with saves written in the background: still bitwise, still complete."""
@@ -79,6 +80,7 @@ def test_sigkilled_worker_resumes_bitwise_equal_with_async_saves(tmp_path):
     assert names == ["step_000000000012", "step_000000000015"]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_sigkilled_worker_resumes_bitwise_equal_at_world_3(tmp_path):
     """Three workers, residual blocks in small shared buckets: a 3-way sum is rounded the same way

@@ -253,7 +253,7 @@ ALL = ["eager", "compiled", "compiled_inner", "torch"]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_compiled_matches_eager_torch_and_one_process(world):
     variants = ALL if world == 2 else ALL[:3]  # torch's compiled DDP once is enough
     results = lockstep.spawn(_compiled_world, world, ("aot_eager", variants), timeout=300)

@@ -90,9 +90,15 @@ def test_snippet_parses(snippet):
     ast.parse(snippet.code, filename=snippet.name)
 
 
+def _snippet_marks(snippet: Snippet) -> list[pytest.MarkDecorator]:
+    """The README's snippets and each page's first run by default; the others in the slow tier."""
+    first = next(s for s in RUNNABLE if s.page == snippet.page)
+    return [] if snippet.page.name == "README.md" or snippet is first else [pytest.mark.slow]
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(SNIPPET_TIMEOUT_S + 30)
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.name for s in RUNNABLE])
+@pytest.mark.parametrize("snippet", [pytest.param(s, id=s.name, marks=_snippet_marks(s)) for s in RUNNABLE])
 def test_snippet_runs(snippet, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(snippet.code)

@@ -11,8 +11,8 @@ feature. A fenced ```python block whose first line is ``# NAME.py`` is the file 
 They run in document order in one folder (so ``lockstep plan doctor/world1/profile.json`` reads
 what the doctor wrote), through ``bash`` with a ``lockstep`` on ``PATH`` that is this checkout's,
 and must exit 0 without a traceback. The first doctor command and every command that takes
-seconds run in the multirank tier; the other doctor runs (about two minutes on a 2-core machine)
-carry the ``doc_commands`` marker::
+seconds run in the slow tier (``python -m pytest -q -m slow``, which CI runs); the other doctor
+runs (about two minutes on a 2-core machine) carry the ``doc_commands`` marker::
 
     python -m pytest -q -m doc_commands tests/test_docs_commands.py
 
@@ -120,7 +120,7 @@ def _long(command: Command) -> bool:
 
 
 def _marks(command: Command) -> list[pytest.MarkDecorator]:
-    marks = [pytest.mark.multirank]
+    marks = [pytest.mark.multirank, pytest.mark.slow]
     if _long(command):
         marks.append(pytest.mark.doc_commands)
     if "hf_trainer" in command.text or "lightning" in command.text:

@@ -63,6 +63,7 @@ def test_doctor_on_the_demo(tmp_path):
     assert summary["account"]["measured"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_doctor_without_matplotlib_keeps_the_report(tmp_path):
@@ -86,6 +87,7 @@ def test_doctor_without_matplotlib_keeps_the_report(tmp_path):
     assert not (out / "timeline.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_doctor_on_a_script_that_ends_before_its_step_count(tmp_path):

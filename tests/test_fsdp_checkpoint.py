@@ -245,6 +245,7 @@ def hybrid_worker(rank: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_hybrid_checkpoint_is_written_once_and_restores_at_world_four_and_two(tmp_path):
     root = str(tmp_path)

@@ -29,6 +29,7 @@ def test_render_marks_a_dry_run_and_keeps_part_order() -> None:
     assert "**FAIL** (1)" in text and "**failed:** bad" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dry_run_runs_every_part(tmp_path: Path) -> None:
     report = tmp_path / "gpu-acceptance.md"

@@ -156,7 +156,7 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world,culprit", [(2, 0), (3, 1)])
+@pytest.mark.parametrize("world,culprit", [(2, 0), pytest.param(3, 1, marks=pytest.mark.slow)])
 def test_rank_sleeping_before_backward_is_named_by_every_waiting_rank(tmp_path, world, culprit):
     results = lockstep.spawn(_stop_in_training, world, (world, "sleep", culprit, str(tmp_path)),
                              timeout=120)
@@ -191,6 +191,7 @@ def test_rank_leaving_the_loop_early_is_named(tmp_path, world):
         assert out["elapsed"] < NAMED_WITHIN_S, out
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_rank_stuck_inside_join_is_named(tmp_path):
     results = lockstep.spawn(_stop_in_training, 3, (3, "join", 2, str(tmp_path)), timeout=120)
@@ -252,6 +253,7 @@ def test_launcher_names_the_rank_that_hung(tmp_path):
     assert "reported: DDP gradient all-reduce (bucket 0 of 1) failed after waiting" in err
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_launcher_names_the_rank_that_left_early(tmp_path):
     code, err = _launch(tmp_path, 2, "leave", 1)
@@ -261,6 +263,7 @@ def test_launcher_names_the_rank_that_left_early(tmp_path):
             "loading, next forward)' while its peers waited for it (named by rank(s) 0).") in err
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_launcher_names_the_rank_with_other_shapes_in_debug_mode(tmp_path):
     code, err = _launch(tmp_path, 3, "shapes", 2, LOCKSTEP_DEBUG_COLLECTIVES="1")

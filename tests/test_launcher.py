@@ -454,6 +454,7 @@ def test_failing_worker_stops_the_job_with_its_traceback(tmp_path):
     assert _processes_with(marker) == [], "workers outlived the launcher"
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_max_restarts_restarts_every_worker_after_a_kill(tmp_path):
     done = _lockstep_run(
@@ -523,6 +524,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_two_nodes_on_loopback_form_one_world_of_four(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"

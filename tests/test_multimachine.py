@@ -172,6 +172,7 @@ def _train(folder: Path, steps: int = 6) -> list[str]:
     return [str(SCRIPT), str(folder), str(steps)]
 
 
+@pytest.mark.slow
 @pytest.mark.multimachine
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_two_launchers_c10d_and_static_equal_one_machine(tmp_path):
@@ -274,6 +275,7 @@ def test_lost_machine_is_named_and_the_survivor_resumes_at_the_new_world(tmp_pat
     assert finished["seen"] == [expected], finished
 
 
+@pytest.mark.slow
 @pytest.mark.multimachine
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_wrong_endpoint_and_wrong_job_id_are_named_within_seconds(tmp_path):
@@ -307,6 +309,7 @@ def test_wrong_endpoint_and_wrong_job_id_are_named_within_seconds(tmp_path):
     assert f"cannot reach the rendezvous at {nowhere}" in c_text
 
 
+@pytest.mark.slow
 @pytest.mark.multimachine
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_a_machine_joining_an_elastic_job_is_announced(tmp_path):

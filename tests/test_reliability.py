@@ -181,6 +181,7 @@ def test_save_with_a_different_directory_per_rank_says_so(tmp_path):
 # ------------------------------------------------------------------ spawn from a notebook
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_spawn_from_an_interactive_session():
@@ -239,6 +240,7 @@ def test_spawn_unguarded_at_a_scripts_top_level_is_refused(tmp_path):
 # ------------------------------------------------------------------ a finished job exits 0
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_finished_jobs_without_teardown_exit_cleanly(tmp_path):

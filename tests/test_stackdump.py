@@ -88,7 +88,7 @@ def _stuck_rank(rank: int, mode: str, directory: str) -> str:
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode, function", [("python", "_spin_in_python_loop"),
-                                            ("collective", "_block_in_collective")])
+                                            pytest.param("collective", "_block_in_collective", marks=pytest.mark.slow)])
 def test_stuck_rank_stack_is_shown_next_to_its_name(tmp_path, mode, function):
     error = lockstep.spawn(_stuck_rank, 2, (mode, str(tmp_path)), timeout=150)[0]
     assert "rank 1 on" in error and "did not arrive: it is alive but stuck" in error, error

@@ -344,7 +344,7 @@ def _resume_world(rank: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_is_bitwise_equal_to_uninterrupted_run(world: int) -> None:
     for rank, result in enumerate(lockstep.spawn(_resume_world, world, timeout=240)):
         assert all(result["bitwise"].values()), f"rank {rank}: resumed after step k differs: {result['bitwise']}"
