@@ -119,7 +119,7 @@ class DDPObserver:
         self._arrivals_seen = 0
         self._learned = False
         self._last_param: str | None = None  # the latest arrival, while learning
-        self._synced_once = False  # torch's DDP rebuilds its buckets after the first
+        self._synced_once = False  # torch's DDP rebuilds its buckets after the first one
         self._bucket_last: dict[int, tuple[int, str | None]] = {}  # index -> (bytes, last name)
         self._grad_handles: list[RemovableHandle] = []
         if self.ddp is None:
@@ -194,7 +194,7 @@ class DDPObserver:
         return work.get_future().then(completed)
 
     def _new_bucket(self, bucket: dist.GradBucket, nbytes: int) -> str | None:
-        """Enter a bucket not seen in this layout; return the name of its last gradient."""
+        """List the bucket in the layout; return its last gradient's name (cached when final)."""
         index, params = bucket.index(), [self._index.get(id(p)) for p in bucket.parameters()]
         self._layout[index] = {"index": index, "bytes": nbytes,
                                "params": [self._names[i] if i is not None else "?" for i in params]}
