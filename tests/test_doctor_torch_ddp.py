@@ -31,17 +31,30 @@ def _mlp() -> nn.Module:
                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
+SETTINGS = {"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0}
+
+
+def _arrival_order(model: nn.Module) -> list[str]:
+    """The names of ``model``'s gradients in the order each backward delivers them (test hooks)."""
+    order: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: order.append(name))
+    return order
+
+
 def _observed_and_plain(rank: int, steps: int) -> dict:
     """Train an observed and an unobserved torch DDP on the same batches; return both."""
     from lockstep.doctor.torch_ddp import TorchDDPWatch
 
     lockstep.init_distributed()
-    watch = TorchDDPWatch({"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0})
+    watch = TorchDDPWatch(SETTINGS)
     # 10 KB buckets: each 64x64 layer (16 KB) closes one, so there are several
     observed = nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01)
     plain = nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01)
     models = {"observed": observed, "plain": plain}
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+    order = _arrival_order(observed.module)
+    orders, watched = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
@@ -50,12 +63,18 @@ def _observed_and_plain(rank: int, steps: int) -> dict:
             opts[name].step()
             opts[name].zero_grad()
             watch.stop_discovery()  # the observed model was found at its first forward
+        orders.append(list(order))
+        order.clear()
+        watched.append(watch.observers[0].watched())
     assert [o.ddp for o in watch.observers] == [observed]
     rec = watch.observers[0].recorder
     out = {"params": {n: [p.detach().clone() for p in m.parameters()] for n, m in models.items()},
            "buckets": [[(b.index, b.launch, b.done, b.waited) for b in s.buckets]
                        for s in rec.steps],
-           "layout": rec.layout()}
+           "ready": [[(b.index, b.ready, b.last_param) for b in s.buckets] for s in rec.steps],
+           "backwards": [s.backwards for s in rec.steps],
+           "layout": rec.layout(), "orders": orders, "watched": watched,
+           "trainable": len(list(observed.parameters()))}
     watch.close()
     dist.destroy_process_group()
     return out
@@ -76,6 +95,117 @@ def test_observed_torch_ddp_reduces_like_torch_and_stamps_each_bucket():
             assert sorted(i for i, _, _, _ in buckets) == (indices if step else [0])
             assert all(None not in (launch, done, waited) and launch <= done <= waited
                        for _, launch, done, waited in buckets)
+
+
+@pytest.mark.timeout(120)
+def test_after_the_first_backward_one_gradient_hook_names_buckets_and_ends_compute():
+    steps = 4
+    for r in lockstep.spawn(_observed_and_plain, 2, (steps,), timeout=90):
+        # the first backward learns the arrival order; then one hook is left (issue #28)
+        assert r["watched"] == [1] * steps and r["trainable"] == 8
+        members = {b["index"]: b["params"] for b in r["layout"]}
+        for step, (ready, order, backwards) in enumerate(zip(r["ready"], r["orders"],
+                                                            r["backwards"], strict=True)):
+            assert sorted(order) == sorted(n for b in members.values() for n in b)
+            for index, _, last in ready:  # the name a hook on every parameter gives
+                # step 0: torch's first layout, one bucket (see the test above)
+                expected = order[-1] if step == 0 else max(members[index], key=order.index)
+                assert last == expected, (step, index)
+            ((start, compute_end, end),) = backwards
+            # marked by the last gradient's hook, before that gradient's bucket is ready
+            assert start <= compute_end <= max(t for _, t, _ in ready) <= end
+
+
+class _Branchy(nn.Module):
+    """``first`` is used on even steps only (and arrives last when it is); ``never`` is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.never = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.body(self.first(x) if step % 2 == 0 else x)
+
+
+def _unused_parameters(rank: int, steps: int) -> dict:
+    """An observed and a plain torch DDP whose gradients come from a different set each step."""
+    from lockstep.doctor.torch_ddp import TorchDDPWatch
+
+    lockstep.init_distributed()
+    watch = TorchDDPWatch(SETTINGS)
+    models = {name: nn.parallel.DistributedDataParallel(_Branchy(), bucket_cap_mb=0.001,
+                                                        find_unused_parameters=True)
+              for name in ("observed", "plain")}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+    watched = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        for name, model in models.items():
+            nn.functional.cross_entropy(model(x, step), y).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            watch.stop_discovery()
+        watched.append(watch.observers[0].watched())
+    rec = watch.observers[0].recorder
+    out = {"params": {n: [p.detach().clone() for p in m.parameters()] for n, m in models.items()},
+           "buckets": [[(b.launch, b.done, b.waited, b.last_param) for b in s.buckets]
+                       for s in rec.steps],
+           "backwards": [s.backwards for s in rec.steps], "watched": watched,
+           "layout": rec.layout()}
+    watch.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_parameters_without_gradients_neither_fail_nor_hang_the_observer():
+    steps = 5
+    for r in lockstep.spawn(_unused_parameters, 2, (steps,), timeout=90):
+        for a, b in zip(r["params"]["observed"], r["params"]["plain"], strict=True):
+            assert torch.equal(a, b)
+        assert r["watched"] == [1] * steps  # on first.weight or first.bias: absent on odd steps
+        names = {n for b in r["layout"] for n in b["params"]}
+        assert {"first.weight", "never.weight", "body.2.bias"} <= names
+        assert len(r["buckets"]) == steps
+        for step, (buckets, ((start, compute_end, end),)) in enumerate(zip(
+                r["buckets"], r["backwards"], strict=True)):
+            assert buckets and all(None not in b[:3] for b in buckets)
+            assert all(last is None or last in names for _, _, _, last in buckets)
+            # compute ends with backward when the watched gradient does not come (odd steps),
+            # and in the first, which waits for every gradient ("never" has none)
+            assert start <= compute_end <= end
+            assert (compute_end == end) == (step == 0 or step % 2 == 1)
+
+
+def test_a_world_of_one_keeps_only_the_hooks_of_its_buckets():
+    from lockstep.doctor.torch_ddp import DDPObserver
+
+    model = _Branchy()
+    observer = DDPObserver(model, SETTINGS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainable = len(list(model.parameters()))
+    assert observer.watched() == trainable == 8
+    order = _arrival_order(model)
+    for step in range(4):
+        x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+        nn.functional.cross_entropy(model(x, 0), y).backward()
+        opt.step()
+        opt.zero_grad()
+        # GradientArrivals' hook on each bucket's last gradient; none of the observer's own
+        assert observer.watched() == len(observer.recorder.layout()) == 1
+    rec = observer.recorder
+    assert len(rec.steps) == 4
+    for s in rec.steps:
+        ((start, compute_end, end),) = s.backwards
+        assert start <= compute_end <= end
+        # torch's default 25 MB cap: one bucket, ready at the last gradient ("never" has none)
+        assert [(b.index, b.last_param) for b in s.buckets] == ([] if s is rec.steps[0]
+                                                                   else [(0, order[-1])])
+    observer.close()
+    assert observer.watched() == 0
 
 
 def _doctor(script: str, out: Path, slow_rank: int | None, steps: int = 20) -> dict:

@@ -11,7 +11,7 @@ Only public seams are used:
 - discovery: a global module forward pre-hook (``register_module_forward_pre_hook``) notices
   each torch DDP instance at its first forward (no class is patched);
 - forward: the instance's forward pre/post hooks; backward start: a gradient hook on the first
-  output tensor; gradients ready: ``register_post_accumulate_grad_hook`` on each parameter;
+  output tensor; gradients ready: ``register_post_accumulate_grad_hook`` (see below);
 - buckets: a comm hook (``register_comm_hook``) that launches the default all-reduce itself
   (one future callback per bucket stamps its completion), or wraps the hook the script
   registers afterwards (the instance's ``register_comm_hook`` is replaced, on that
@@ -23,12 +23,28 @@ One private name is used, in :func:`_after_backward`: the autograd engine's ``qu
 (what torch's DDP itself uses to finish a backward), to mark the end of backward.
 
 A world of one has no DDP (Trainer does not wrap a single process): there the outermost module
-whose parameters the first optimizer step updates is recorded from its next forward on.
+whose parameters the first optimizer step updates is recorded from its next forward on, and
+:class:`~lockstep.doctor.arrivals.GradientArrivals` marks the buckets DDP would send.
+
+Gradient hooks, and their cost: a Python hook on every parameter cost 10-20% of a GPU step
+bound by the host's kernel launches, so, as :class:`~lockstep.doctor.arrivals.GradientArrivals`
+does, every trainable parameter is hooked only during the first backward, which learns the order
+gradients arrive in. From then on one hook is left, on the parameter that arrived last (it marks
+the end of backward's compute), and the comm hook names each bucket's last gradient from that
+order (worked out once per bucket, from ``bucket.parameters()``, and again if the layout
+changes: torch's DDP rebuilds its buckets after the first synchronised backward). A world of
+one keeps no hook of its own: with nothing to communicate, backward's compute ends when backward
+does. This assumes what torch's reducer assumes when it rebuilds its buckets: the arrival order is
+the same every backward. When it is not (a parameter that gets no gradient in a later backward,
+a branch taken only sometimes), nothing fails and nothing waits: a bucket is named by the
+gradient that came last in the first backward (None if none of its gradients came), and a
+backward whose last watched gradient does not come has its compute end at its end.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -45,6 +61,7 @@ from torch.nn.modules.module import (
 )
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 import lockstep.ddp  # noqa: F401  - first: lockstep.ddp and the doctor's recorder import each other
 from lockstep._torch_compat import queue_callback
@@ -79,8 +96,9 @@ class DDPObserver:
         self.ddp = module if isinstance(module, TorchDDP) else None
         inner = module.module if isinstance(module, TorchDDP) else module
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
-        self._names = {id(p): n for n, p in named}
-        self._trainable = len(named)
+        self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         device = named[0][1].device if named else torch.device("cpu")
         group = None
         if self.ddp is not None and dist.get_world_size(self.ddp.process_group) > 1:
@@ -93,15 +111,33 @@ class DDPObserver:
                                  **settings)
         self.recorder.model_info["observed"] = ("torch.nn.parallel.DistributedDataParallel"
                                                 if self.ddp is not None else type(inner).__name__)
-        self._last_param: str | None = None
-        self._ready = 0
         self._handles = [module.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
                          module.register_forward_hook(self._forward_post)]
+        # gradient arrivals (see the module docstring): every parameter is watched until the
+        # first backward ends, then only the one that arrived last
+        self._arrival: dict[int, int] = {}  # parameter -> its place in the first backward
+        self._arrivals_seen = 0
+        self._learned = False
+        self._last_param: str | None = None  # the latest arrival, while learning
+        self._synced_once = False  # torch's DDP rebuilds its buckets after the first one
+        self._bucket_last: dict[int, tuple[int, str | None]] = {}  # index -> (bytes, last name)
+        self._grad_handles: list[RemovableHandle] = []
         if self.ddp is None:
-            self._arrivals = GradientArrivals([p for _, p in named], [n for n, _ in named],
-                                              _TORCH_BUCKET_CAP, self.recorder)
-        self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+            self._arrivals = GradientArrivals(self._params, self._names, _TORCH_BUCKET_CAP,
+                                              self.recorder)
+        else:
+            self._grad_handles = [p.register_post_accumulate_grad_hook(
+                functools.partial(self._grad_arrived, i)) for i, p in enumerate(self._params)]
         self.buckets_observed = self.ddp is not None and self._wrap_comm_hook(self.ddp)
+
+    def watched(self) -> int:
+        """How many parameters run a gradient hook each backward (GradientArrivals' included).
+
+        Every trainable parameter until the first backward ends; then 1 under torch's DDP, and
+        one per bucket in a world of one (GradientArrivals', none of the observer's own).
+        """
+        own = len(self._grad_handles)
+        return own + (self._arrivals.watched() if self._arrivals is not None else 0)
 
     # ---- comm hook -------------------------------------------------------------------------
     def _wrap_comm_hook(self, ddp: TorchDDP) -> bool:
@@ -131,14 +167,12 @@ class DDPObserver:
     def _comm_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
         index, rec = bucket.index(), self.recorder
         rec.backward_started()
-        rec.bucket_ready(index, self._last_param)
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        entry = self._layout.get(index)
-        if entry is None or entry["bytes"] != nbytes:
-            self._layout[index] = {"index": index, "bytes": nbytes,
-                                   "params": [self._names.get(id(p), "?")
-                                              for p in bucket.parameters()]}
+        known = self._bucket_last.get(index)
+        if known is None or known[0] != nbytes:  # not named yet, or the layout has changed
+            known = (nbytes, self._new_bucket(bucket, nbytes))
+        rec.bucket_ready(index, known[1])
         if self._inner is not None:  # the script's hook: stamp the future it returns
             rec.bucket_launched(index)
             future = self._inner(self._inner_state, bucket)
@@ -158,6 +192,19 @@ class DDPObserver:
             return fut.value()[0]
 
         return work.get_future().then(completed)
+
+    def _new_bucket(self, bucket: dist.GradBucket, nbytes: int) -> str | None:
+        """List the bucket in the layout; return its last gradient's name (cached when final)."""
+        index, params = bucket.index(), [self._index.get(id(p)) for p in bucket.parameters()]
+        self._layout[index] = {"index": index, "bytes": nbytes,
+                               "params": [self._names[i] if i is not None else "?" for i in params]}
+        if not self._learned:
+            return self._last_param  # the first backward: the latest gradient is the last
+        arrived = [i for i in params if i is not None and i in self._arrival]
+        name = self._names[max(arrived, key=self._arrival.__getitem__)] if arrived else None
+        if self._synced_once:  # torch's DDP has rebuilt its buckets (if it ever will)
+            self._bucket_last[index] = (nbytes, name)
+        return name
 
     def _bucket_layout(self) -> list[dict[str, Any]]:
         if self._arrivals is not None:
@@ -179,26 +226,47 @@ class DDPObserver:
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         self.recorder.backward_started()
-        self._ready = 0
         synced = self.ddp is None or bool(self.ddp.require_backward_grad_sync)
         _after_backward(lambda: self._backward_ended(synced))
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        self._last_param = self._names.get(id(param))
-        self._ready += 1
-        if self._ready == self._trainable:
+    def _grad_arrived(self, index: int, _param: torch.Tensor) -> None:
+        """The first backward (every parameter watched): learn the order."""
+        self._arrivals_seen += 1
+        self._arrival[index] = self._arrivals_seen  # a later arrival wins
+        self._last_param = self._names[index]
+        if len(self._arrival) == len(self._params):
             self.recorder.backward_compute_ended()
+
+    def _last_arrived(self, _param: torch.Tensor) -> None:
+        self.recorder.backward_compute_ended()
+
+    def _learn_order(self) -> None:
+        """After the first backward: keep one hook, on the parameter that arrived last."""
+        self._learned = True
+        for handle in self._grad_handles:
+            handle.remove()
+        last = max(self._arrival, key=self._arrival.__getitem__)
+        self._grad_handles = [self._params[last].register_post_accumulate_grad_hook(
+            self._last_arrived)]
+        self._last_param = None
 
     def _backward_ended(self, synced: bool) -> None:
         rec = self.recorder
         rec.buckets_waited()
+        if self.ddp is None:  # nothing to communicate: the compute ended with backward
+            rec.backward_compute_ended()
         rec.backward_ended(synced=synced)
         rec.restart_optimizer_span()  # optimizer.step(closure), as Lightning calls it
+        if self.ddp is not None and not self._learned and self._arrival:
+            self._learn_order()
+        self._synced_once = self._synced_once or synced
 
     def close(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + self._grad_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._grad_handles = [], []
+        if self._arrivals is not None:
+            self._arrivals.remove()
         self.recorder.close()
 
 
