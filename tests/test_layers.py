@@ -58,9 +58,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("lockstep.ddp.wrapper", "lockstep.doctor.profile_env"),
     # DataParallel.enable_profiling() builds the doctor's DataParallelRecorder.
     ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
-    # `import lockstep; lockstep.init_distributed()` inside worker functions (plan's area).
-    ("lockstep.plan.measure", "lockstep"),
-    ("lockstep.plan.validate", "lockstep"),
 }
 
 # Import circles today, each as the sorted modules in it. Each fix removes its line.

@@ -85,14 +85,15 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
     torch.manual_seed(0)
     import torch.distributed as dist
 
-    import lockstep
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.distributed import init_distributed
     from lockstep.doctor.api import gather_report
 
-    lockstep.init_distributed()
+    init_distributed()
     # Every rank trains alone (a group of one each): rank 0's profile is a world of one, the
     # others only compute beside it, as the ranks of the predicted world will.
     solos = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    ddp = lockstep.DistributedDataParallel(build(), process_group=solos[rank])
+    ddp = DistributedDataParallel(build(), process_group=solos[rank])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
@@ -137,13 +138,14 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
                 throttle: float | None, sweep_sizes: Sequence[int] | None) -> dict:
     import torch.distributed as dist
 
-    import lockstep
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.distributed import init_distributed
     from lockstep.doctor.records import phases_of
     from lockstep.plan.measure import sweep_allreduce
 
-    lockstep.init_distributed()
+    init_distributed()
     torch.manual_seed(0)
-    model = lockstep.DistributedDataParallel(build())
+    model = DistributedDataParallel(build())
     if throttle is not None:
         model.register_comm_hook(Throttle(throttle), throttle_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
