@@ -97,6 +97,7 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
+    assert recorder is not None  # enabled, so a recorder was started
     dist.barrier()
     for _ in range(3 + steps):
         opt.zero_grad()
