@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
     ]),
     ("hang records", [
-        "lockstep.progress", "lockstep.hang", "lockstep.abort_guard", "lockstep.collective_checks",
-        "lockstep.watchdog",
+        "lockstep.progress", "lockstep.blame", "lockstep.hang", "lockstep.abort_guard",
+        "lockstep.collective_checks", "lockstep.watchdog",
     ]),
     ("collectives", [
         "lockstep.distributed", "lockstep.launcher.spawn", "lockstep.launcher.payload",
@@ -67,9 +67,6 @@ KNOWN_CIRCLES: set[tuple[str, ...]] = {
     ("lockstep.ddp", "lockstep.ddp.profiling", "lockstep.ddp.virtual_shards",
      "lockstep.ddp.wrapper", "lockstep.doctor", "lockstep.doctor.arrivals",
      "lockstep.doctor.dp_vs_ddp", "lockstep.dp", "lockstep.dp.data_parallel"),
-    # ProgressTracker installs the SIGABRT guard (abort_guard, late import), which reads peers'
-    # records through lockstep.hang: a tracker factory above the three would end it.
-    ("lockstep.abort_guard", "lockstep.hang", "lockstep.progress"),
 }
 
 
