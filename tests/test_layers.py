@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", [
         "lockstep._torch_compat", "lockstep._torch_compat_compile", "lockstep.env", "lockstep.tensors",
         "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
+        "lockstep.profilers",
     ]),
     ("hang records", [
         "lockstep.progress", "lockstep.blame", "lockstep.hang", "lockstep.abort_guard",
@@ -45,29 +46,10 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 
 # (importer, imported) pairs that go up a layer today. Each fix removes its line.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # lockstep.ddp exports StepTiming, a doctor record (moving it down needs the profiling
-    # entries below gone first: today that move makes a circle at import time).
-    ("lockstep.ddp", "lockstep.doctor.records"),
-    # DDP.enable_profiling() builds the doctor's Recorder and GradientArrivals itself; the
-    # reducer, bucket launches and join already name only ddp/observer.py's StepObserver.
-    ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
-    ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
-    ("lockstep.ddp.profiling", "lockstep.doctor.records"),
-    # The DDP constructor reads LOCKSTEP_PROFILE (docs/doctor.md promises every DDP does).
-    ("lockstep.ddp.wrapper", "lockstep.doctor.profile_env"),
-    # DataParallel.enable_profiling() builds the doctor's DataParallelRecorder.
-    ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 # Import circles today, each as the sorted modules in it. Each fix removes its line.
-KNOWN_CIRCLES: set[tuple[str, ...]] = {
-    # DDP's and DataParallel's enable_profiling build the doctor's recorders (ddp.profiling,
-    # dp.data_parallel), and the doctor imports DDP: gone when those move behind the observer.
-    ("lockstep.ddp", "lockstep.ddp.profiling", "lockstep.ddp.virtual_shards",
-     "lockstep.ddp.wrapper", "lockstep.doctor", "lockstep.doctor.arrivals",
-     "lockstep.doctor.dp_vs_ddp", "lockstep.dp", "lockstep.dp.data_parallel"),
-}
+KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

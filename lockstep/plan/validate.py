@@ -88,6 +88,7 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
     from lockstep.ddp.wrapper import DistributedDataParallel
     from lockstep.distributed import init_distributed
     from lockstep.doctor.api import gather_report
+    from lockstep.doctor.recorder import Recorder
 
     init_distributed()
     # Every rank trains alone (a group of one each): rank 0's profile is a world of one, the
@@ -97,7 +98,7 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
-    assert recorder is not None  # enabled, so a recorder was started
+    assert isinstance(recorder, Recorder)  # the doctor's (lockstep.profilers), enabled
     dist.barrier()
     for _ in range(3 + steps):
         opt.zero_grad()
@@ -114,7 +115,7 @@ def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, 
     """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
 
     It is the doctor's profile (``enable_profiling``): at a world of one it lists the buckets
-    DDP would send and when each would be ready (:mod:`lockstep.doctor.arrivals`).
+    DDP would send and when each would be ready (:mod:`lockstep.ddp.arrivals`).
 
     Args:
         beside: processes that train the same model alone at the same time (one thread each),
@@ -141,6 +142,7 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
 
     from lockstep.ddp.wrapper import DistributedDataParallel
     from lockstep.distributed import init_distributed
+    from lockstep.doctor.recorder import Recorder
     from lockstep.doctor.records import phases_of
     from lockstep.plan.measure import sweep_allreduce
 
@@ -165,7 +167,8 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
         loss_fn(model(x), y).backward()
         opt.step()
     step_s = (time.perf_counter() - start) / steps
-    recorded = model.profiler.payload()["steps"] if model.profiler is not None else []
+    recorder = model.profiler  # the doctor's Recorder (lockstep.profilers)
+    recorded = recorder.payload()["steps"] if isinstance(recorder, Recorder) else []
     # Exposed: backward's wait for the all-reduces and forward's wait for the buffer broadcast.
     waits = [phases_of(s)["exposed_comm"] for s in recorded[1:]] or [0.0]
     return {"step_s": step_s, "exposed_s": statistics.median(waits),
