@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pkgutil
 
+from lockstep import profilers as _profilers
 from lockstep.lazy import lazy_getattr
 
 __version__ = "0.1.0"
@@ -66,6 +67,20 @@ def _submodules() -> list[str]:
 
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
+
+
+def _doctor() -> _profilers.Profilers:
+    """The doctor records the wrappers below it (lockstep/profilers.py), imported when one asks."""
+    from lockstep.doctor.dp_recorder import DataParallelRecorder
+    from lockstep.doctor.profile_env import settings_from_env
+    from lockstep.doctor.recorder import Recorder
+
+    return _profilers.Profilers(ddp=Recorder, dp=DataParallelRecorder,
+                                settings_from_env=settings_from_env)
+
+
+# Here because Python runs this file before any lockstep module: every DDP finds the doctor.
+_profilers.register(_doctor)
 
 
 def __dir__() -> list[str]:

@@ -12,7 +12,7 @@ within milliseconds. So :class:`AbortGuard` catches SIGABRT (a C handler install
 ctypes: Python's own ``signal`` handlers run only between bytecodes of the main thread, which
 never comes), publishes this rank's record, watches its peers' next heartbeats (they are alive,
 blocked in the collective, and publish their live counts), and when their counts on a group
-differ names the odd rank, leaves the blame file the launcher reads (:mod:`lockstep.hang`),
+differ names the odd rank, leaves the blame file the launcher reads (:mod:`lockstep.blame`),
 prints the error and exits with status 1. An abort with no such evidence is left alone: the
 handler returns and ``abort()`` ends the process as before.
 
@@ -34,13 +34,13 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from lockstep.hang import observe_peers, write_blame
+from lockstep.blame import observe_peers, write_blame
 
 __all__ = ["AbortGuard", "CollectiveMismatchAbort", "odd_counts"]
 
 logger = logging.getLogger(__name__)
 
-# Reading the peers takes a few heartbeats (lockstep.hang.observe_peers); past this, give up.
+# Reading the peers takes a few heartbeats (lockstep.blame.observe_peers); past this, give up.
 _VERDICT_DEADLINE_S = 30.0
 
 

@@ -9,12 +9,12 @@ step, phase and last collective), gone (no heartbeat: died, or its machine was l
 (left the loop early). Nothing extra runs while collectives succeed.
 
 The waiting rank also leaves a small JSON "blame" file beside torch elastic's error file, so
-``lockstep run`` reports the rank that stopped as the root cause, not the ones that waited.
+``lockstep run`` reports the rank that stopped as the root cause, not the ones that waited
+(the peer watch and the blame file are :mod:`lockstep.blame`'s, re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lockstep.progress import GroupProgress, ProgressTracker, tracker
+# The peer watch and the blame file live in lockstep.blame (the abort guard uses them too);
+# they are re-exported here, where they were first written.
+from lockstep.blame import BLAME_FILE, observe_peers, read_blame, write_blame
+from lockstep.progress import GroupProgress, tracker
 from lockstep.stackdump import request_stack
 
 __all__ = [
@@ -38,11 +41,6 @@ __all__ = [
     "wait",
     "write_blame",
 ]
-
-BLAME_FILE = "lockstep_blame.json"
-# A peer that publishes nothing for this many intervals (and at least this long) is gone.
-_SILENCE_INTERVALS = 3
-_MIN_SILENCE_S = 2.0
 
 # Errors of a backend whose peer went away or never came (gloo, NCCL, the store).
 _PEER_TROUBLE = re.compile(
@@ -219,28 +217,6 @@ def _find_culprits(
     return (culprits or late or gone_but_arrived), silent_s
 
 
-def observe_peers(
-    found: ProgressTracker, first: dict[int, dict[str, Any] | None]
-) -> tuple[dict[int, str], dict[int, dict[str, Any] | None], float]:
-    """Watch the peers' heartbeats until each has beaten or exited, or for a few intervals.
-
-    A record published after ``first`` is fresh: a living peer's position then is the truth,
-    even if its earlier record lagged. Returns each peer's state and latest record, and how
-    long the silent ones were watched.
-    """
-    start = time.monotonic()
-    deadline = start + max(_SILENCE_INTERVALS * found.interval, _MIN_SILENCE_S)
-    latest = dict(first)
-    states = {rank: _state(first[rank], rec) for rank, rec in latest.items()}
-    while any(state in ("gone", "silent") for state in states.values()):
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(min(found.interval / 4, 0.25))
-        latest = found.read(list(first))
-        states = {rank: _state(first[rank], rec) for rank, rec in latest.items()}
-    return states, latest, time.monotonic() - start
-
-
 def describe_missing(missing: list[int], message: str) -> str:
     """Where ranks that missed a store meeting are (alive and where, exited, gone); blames them.
 
@@ -260,16 +236,6 @@ def describe_missing(missing: list[int], message: str) -> str:
     return text
 
 
-def _state(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
-    if after is None:
-        return "silent"
-    if after.get("state") == "exited":
-        return "exited"
-    if before is not None and after.get("beat", 0) > before.get("beat", 0):
-        return "stuck"
-    return "gone"
-
-
 def _count(record: dict[str, Any] | None, key: str) -> int:
     return int(record.get("counts", {}).get(key, 0)) if record else 0
 
@@ -285,38 +251,3 @@ def _first_line(exc: BaseException) -> str:
     line = next((x for x in lines if _SOURCE.search(x)), lines[0] if lines else "")
     line = _SOURCE.sub("", _WRAPPER.sub("", line))
     return line.split(". This is typically")[0] or type(exc).__name__
-
-
-# ---- the launcher's evidence ---------------------------------------------------------------
-def write_blame(rank: int, culprits: list[dict[str, Any]], message: str) -> None:
-    """Leave this rank's verdict beside torch elastic's error file (under ``lockstep run``).
-
-    Args:
-        rank: the rank writing (the one that waited).
-        culprits: one dict per rank to blame: ``rank``, ``state`` and what is known of it.
-        message: the error this rank raises.
-    """
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return
-    path = os.path.join(os.path.dirname(error_file), BLAME_FILE)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as fh:
-            json.dump({"rank": rank, "culprits": culprits, "message": message}, fh)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass  # the launcher then falls back on exit codes and timestamps
-
-
-def read_blame(error_file: str | None) -> dict[str, Any] | None:
-    """The verdict a worker left beside its ``error_file``, or None."""
-    if not error_file:
-        return None
-    path = os.path.join(os.path.dirname(error_file), BLAME_FILE)
-    try:
-        with open(path) as fh:
-            found = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) and found.get("culprits") else None

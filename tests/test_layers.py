@@ -22,10 +22,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", [
         "lockstep._torch_compat", "lockstep._torch_compat_compile", "lockstep.env", "lockstep.tensors",
         "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
+        "lockstep.profilers",
     ]),
     ("hang records", [
-        "lockstep.progress", "lockstep.hang", "lockstep.abort_guard", "lockstep.collective_checks",
-        "lockstep.watchdog",
+        "lockstep.progress", "lockstep.blame", "lockstep.hang", "lockstep.abort_guard",
+        "lockstep.collective_checks", "lockstep.watchdog",
     ]),
     ("collectives", [
         "lockstep.distributed", "lockstep.launcher.spawn", "lockstep.launcher.payload",
@@ -45,35 +46,10 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 
 # (importer, imported) pairs that go up a layer today. Each fix removes its line.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # lockstep.ddp exports StepTiming, a doctor record (moving it down needs the profiling
-    # entries below gone first: today that move makes a circle at import time).
-    ("lockstep.ddp", "lockstep.doctor.records"),
-    # DDP.enable_profiling() builds the doctor's Recorder and GradientArrivals itself; the
-    # reducer, bucket launches and join already name only ddp/observer.py's StepObserver.
-    ("lockstep.ddp.profiling", "lockstep.doctor.arrivals"),
-    ("lockstep.ddp.profiling", "lockstep.doctor.recorder"),
-    ("lockstep.ddp.profiling", "lockstep.doctor.records"),
-    # The DDP constructor reads LOCKSTEP_PROFILE (docs/doctor.md promises every DDP does).
-    ("lockstep.ddp.wrapper", "lockstep.doctor.profile_env"),
-    # DataParallel.enable_profiling() builds the doctor's DataParallelRecorder.
-    ("lockstep.dp.data_parallel", "lockstep.doctor.dp_recorder"),
-    # `import lockstep; lockstep.init_distributed()` inside worker functions (plan's area).
-    ("lockstep.plan.measure", "lockstep"),
-    ("lockstep.plan.validate", "lockstep"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 # Import circles today, each as the sorted modules in it. Each fix removes its line.
-KNOWN_CIRCLES: set[tuple[str, ...]] = {
-    # DDP's and DataParallel's enable_profiling build the doctor's recorders (ddp.profiling,
-    # dp.data_parallel), and the doctor imports DDP: gone when those move behind the observer.
-    ("lockstep.ddp", "lockstep.ddp.profiling", "lockstep.ddp.virtual_shards",
-     "lockstep.ddp.wrapper", "lockstep.doctor", "lockstep.doctor.arrivals",
-     "lockstep.doctor.dp_vs_ddp", "lockstep.dp", "lockstep.dp.data_parallel"),
-    # ProgressTracker installs the SIGABRT guard (abort_guard, late import), which reads peers'
-    # records through lockstep.hang: a tracker factory above the three would end it.
-    ("lockstep.abort_guard", "lockstep.hang", "lockstep.progress"),
-}
+KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -1,10 +1,11 @@
 """What DistributedDataParallel tells an observer of its steps: the seam the doctor plugs into.
 
 DDP, its reducer and its bucket launches call these methods on the observer they hold (None:
-nobody watches, nothing is called). :class:`lockstep.doctor.recorder.Recorder` implements the
-protocol; DDP names only the protocol, so ``lockstep.ddp`` never imports the doctor (imports
-point down: docs/contributing.md, "Layers"), as torch's DDP takes comm hooks instead of
-importing a profiler.
+nobody watches, nothing is called), and ``step_timings`` reads the observer's timings back.
+:class:`lockstep.doctor.recorder.Recorder` implements the protocol; DDP names only the protocol,
+and gets its recorder built through :mod:`lockstep.profilers`, so ``lockstep.ddp`` never imports
+the doctor (imports point down: docs/contributing.md, "Layers"), as torch's DDP takes comm hooks
+instead of importing a profiler.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+
+from lockstep.profilers import StepTiming
 
 __all__ = ["StepObserver"]
 
@@ -33,3 +36,5 @@ class StepObserver(Protocol):
     def watch_bucket(self, index: int, future: torch.futures.Future) -> None: ...
     def bucket_waited(self, index: int) -> None: ...
     def close(self) -> None: ...
+    @property
+    def step_timings(self) -> list[StepTiming]: ...

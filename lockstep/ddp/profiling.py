@@ -1,26 +1,29 @@
 """Profiling of lockstep's DistributedDataParallel: the wrapper's side of ``lockstep doctor``.
 
-:class:`ProfiledDDP` is a base of :class:`~lockstep.ddp.DistributedDataParallel`: it starts the
-doctor's :class:`~lockstep.doctor.recorder.Recorder`, marks forward and the start of backward
-(the reducer marks buckets and the end of backward), and at a world of one, where there is no
-reducer, watches gradient arrivals so the profile still lists the buckets DDP would send.
+:class:`ProfiledDDP` is a base of :class:`~lockstep.ddp.DistributedDataParallel`: it starts a
+recorder (the doctor's :class:`~lockstep.doctor.recorder.Recorder`, built through
+:mod:`lockstep.profilers`, so DDP never imports the doctor), marks forward and the start of
+backward on it (the reducer marks buckets and the end of backward), and at a world of one, where
+there is no reducer, watches gradient arrivals (:mod:`lockstep.ddp.arrivals`) so the profile
+still lists the buckets DDP would send. The recorder is told everything through
+:class:`~lockstep.ddp.observer.StepObserver`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lockstep import profilers
 from lockstep._torch_compat import queue_callback
+from lockstep.ddp.arrivals import GradientArrivals
 from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.replica_sync import broadcast_messages, live_buffers
-from lockstep.doctor.arrivals import GradientArrivals
-from lockstep.doctor.recorder import Recorder
-from lockstep.doctor.records import StepTiming
+from lockstep.profilers import StepTiming
 from lockstep.tensors import iter_tensors
 
 if TYPE_CHECKING:
@@ -55,7 +58,7 @@ class ProfiledDDP(nn.Module):
         max_steps: int | None = None,
         warmup: int = 5,
         gather_every: int = 0,
-    ) -> Recorder | None:
+    ) -> StepObserver | None:
         """Record every step: data wait, forward, backward, each bucket, exposed wait, optimizer.
 
         Cheap enough to leave on (no device synchronisation, no collective unless
@@ -70,7 +73,8 @@ class ProfiledDDP(nn.Module):
                 (one small asynchronous all-gather; 0: never).
 
         Returns:
-            The :class:`~lockstep.doctor.recorder.Recorder`, or None when disabled.
+            The recorder (the doctor's :class:`~lockstep.doctor.recorder.Recorder`), or None
+            when disabled.
 
         Example::
 
@@ -88,10 +92,11 @@ class ProfiledDDP(nn.Module):
         if enabled:
             params = [p for p in self.module.parameters() if p.requires_grad]
             group = self.process_group if self.world_size > 1 else None
-            self._clock = Recorder(
+            clock: StepObserver = profilers.current().ddp(
                 self.device, params, group, self._bucket_layout, self._profile_model_entry(),
                 out_dir, max_steps, warmup, gather_every,
             )
+            self._clock = clock
             self._profile_hooks = [self.register_forward_pre_hook(self._profile_forward_pre),
                                    self.register_forward_hook(self._profile_forward_post)]
             if self._reducer is None and self._trainable_names:
@@ -100,7 +105,7 @@ class ProfiledDDP(nn.Module):
                 named = dict(self.module.named_parameters())
                 self._arrivals = GradientArrivals(
                     [named[n] for n in self._trainable_names], self._trainable_names,
-                    self._bucket_cap_bytes, self._clock)
+                    self._bucket_cap_bytes, clock)
         if self._reducer is not None:
             self._reducer.clock = self._clock
         return self.profiler
@@ -109,9 +114,9 @@ class ProfiledDDP(nn.Module):
         return _model_entry(self.module, live_buffers(self._buffer_slots), self.forward_sync_buffers)
 
     @property
-    def profiler(self) -> Recorder | None:
+    def profiler(self) -> StepObserver | None:
         """The recorder :meth:`enable_profiling` started, or None."""
-        return cast("Recorder | None", self._clock)
+        return self._clock
 
     def enable_step_timing(self, enabled: bool = True) -> None:
         """Record forward, backward and exposed-communication seconds (see :meth:`enable_profiling`)."""
@@ -119,7 +124,7 @@ class ProfiledDDP(nn.Module):
 
     @property
     def step_timings(self) -> list[StepTiming]:
-        """One :class:`~lockstep.doctor.records.StepTiming` per backward since timing was enabled."""
+        """One :class:`~lockstep.profilers.StepTiming` per backward since timing was enabled."""
         clock = self.profiler
         return clock.step_timings if clock is not None else []
 

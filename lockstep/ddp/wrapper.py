@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from lockstep import hang
+from lockstep import hang, profilers
 from lockstep._torch_compat import preserve_version_counter
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
@@ -38,7 +38,6 @@ from lockstep.ddp.replica_sync import (
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
 from lockstep.distributed import global_rank
-from lockstep.doctor.profile_env import settings_from_env
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
 
@@ -189,7 +188,8 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             verify_same_parameters(list(module.named_parameters()), self.process_group, buffers)
             state = [p.detach() for p in module.parameters()] + [b.detach() for _, b in buffers]
             broadcast_coalesced(state, self._src, self.process_group)
-        settings = settings_from_env()  # LOCKSTEP_PROFILE=dir: set by `lockstep doctor`
+        # LOCKSTEP_PROFILE=dir, set by `lockstep doctor`: the doctor's answer (lockstep.profilers)
+        settings = profilers.current().settings_from_env()
         if settings is not None:
             self.enable_profiling(**settings)
 

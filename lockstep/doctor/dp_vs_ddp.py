@@ -134,12 +134,13 @@ def _run_data_parallel(
     model_fn: ModelFn, batch_fn: BatchFn, devices: int, kind: str, total: int, warmup: int,
     loss_fn: LossFn, optimizer_fn: OptimizerFn,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    from lockstep.doctor.dp_recorder import DataParallelRecorder
     from lockstep.dp.data_parallel import DataParallel
 
     first = _device(kind, 0)
     model = DataParallel(model_fn().to(first), device_ids=[_device(kind, i) for i in range(devices)])
     recorder = model.enable_profiling(warmup=warmup)
-    assert recorder is not None
+    assert isinstance(recorder, DataParallelRecorder)  # the doctor's (lockstep.profilers)
     optimizer = optimizer_fn(model.parameters())
     for step in range(total):
         inputs, targets = batch_fn(step)
@@ -160,13 +161,15 @@ def _ddp_worker(
     from lockstep.ddp.wrapper import DistributedDataParallel
     from lockstep.distributed import init_distributed
     from lockstep.doctor.api import gather_report
+    from lockstep.doctor.recorder import Recorder
 
     info = init_distributed()
     device = _device(kind, info.local_rank)
     model = DistributedDataParallel(model_fn().to(device))
     recorder = model.enable_profiling(warmup=warmup)
-    if recorder is None:  # enable_profiling(enabled=True) always starts one
-        raise RuntimeError("DistributedDataParallel.enable_profiling() returned no recorder")
+    if not isinstance(recorder, Recorder):  # enabled: the doctor's, through lockstep.profilers
+        raise TypeError(f"DistributedDataParallel.enable_profiling() returned "
+                        f"{type(recorder).__name__}, not the doctor's Recorder")
     optimizer = optimizer_fn(model.parameters())
     for step in range(total):
         inputs, targets = batch_fn(step)

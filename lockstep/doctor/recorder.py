@@ -7,6 +7,9 @@ all-gather of per-rank means whose result is read ``gather_every`` steps later.
 
 The optimizer step is found without user code: torch's global optimizer step hooks are installed
 while profiling is on, and they only time optimizers that hold this model's parameters.
+
+It implements DDP's :class:`~lockstep.ddp.observer.StepObserver`; DDP builds it through
+:mod:`lockstep.profilers` (where ``lockstep/__init__.py`` registers it), never by name.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from lockstep.doctor.records import (
     PHASES,
     BucketEvents,
     StepRecord,
-    StepTiming,
     phases_of,
 )
 from lockstep.doctor.stamps import Stamp, Stamps
+from lockstep.profilers import StepTiming
 from lockstep.tensors import batch_size
 
 __all__ = ["Recorder"]

@@ -13,28 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# DDP's step_timings record lives under both DDP and the doctor (lockstep.profilers); re-exported.
+from lockstep.profilers import StepTiming
+
 __all__ = ["PHASES", "BucketEvents", "StepRecord", "StepTiming", "phases_of"]
 
 # Order matters: the timeline and the account list phases in this order.
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "other")
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Seconds spent in one iteration's forward, backward, and exposed communication.
-
-    ``backward_s`` runs from the first gradient produced to the end of the reduction, so it
-    includes ``exposed_comm_s``. (Kept for :meth:`DistributedDataParallel.step_timings`.)
-    """
-
-    forward_s: float
-    backward_s: float
-    exposed_comm_s: float
-
-    @property
-    def exposed_share(self) -> float:
-        total = self.forward_s + self.backward_s
-        return self.exposed_comm_s / total if total > 0 else 0.0
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.doctor.dp_recorder import DataParallelRecorder
+from lockstep import profilers
 from lockstep.dp.balance import device_capacities, imbalance_message
 from lockstep.dp.devices import (
     DeviceLike,
@@ -36,6 +36,7 @@ from lockstep.dp.devices import (
     resolve_device_ids,
     resolve_output_device,
 )
+from lockstep.dp.observer import DataParallelObserver
 from lockstep.dp.parallel_apply import parallel_apply
 from lockstep.dp.replica_cache import ReplicaCache
 from lockstep.dp.replicate import check_module_device, replicate
@@ -122,7 +123,7 @@ class DataParallel(nn.Module):
         self.cache_replicas = cache_replicas
         self._model_cache = ReplicaCache()
         self._loss_cache = ReplicaCache()
-        self._profiler: DataParallelRecorder | None = None  # enable_profiling()
+        self._profiler: DataParallelObserver | None = None  # enable_profiling()
         message = imbalance_message(device_capacities(self.device_ids))
         if message:
             warnings.warn(message, stacklevel=2)
@@ -245,23 +246,24 @@ class DataParallel(nn.Module):
             return loss, self.gather([out for _, out in results], self.output_device)
         return loss
 
-    def enable_profiling(self, enabled: bool = True, warmup: int = 3) -> DataParallelRecorder | None:
+    def enable_profiling(self, enabled: bool = True, warmup: int = 3) -> DataParallelObserver | None:
         """Time scatter, replicate, each device's forward, gather, backward and the optimizer.
 
         Returns:
-            The :class:`~lockstep.doctor.dp_recorder.DataParallelRecorder` (its ``phases()``
-            gives seconds per step), or None when disabled.
+            The recorder, the doctor's :class:`~lockstep.doctor.dp_recorder.DataParallelRecorder`
+            (its ``phases()`` gives seconds per step; built through :mod:`lockstep.profilers`),
+            or None when disabled.
         """
         if self._profiler is not None:
             self._profiler.close()
         self._profiler = None
         if enabled:
-            self._profiler = DataParallelRecorder(self.module.parameters(), len(self.device_ids),
-                                                  warmup)
+            self._profiler = profilers.current().dp(self.module.parameters(),
+                                                    len(self.device_ids), warmup)
         return self._profiler
 
     @property
-    def profiler(self) -> DataParallelRecorder | None:
+    def profiler(self) -> DataParallelObserver | None:
         return self._profiler
 
     def _forward_one(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any) -> Any:

@@ -180,9 +180,9 @@ def sweep_allreduce(sizes: Sequence[int], rounds: int = DEFAULT_ROUNDS,
 
 
 def _sweep(rank: int, sizes: Sequence[int], rounds: int) -> dict[str, list[list[float]]]:
-    import lockstep
+    from lockstep.distributed import init_distributed
 
-    lockstep.init_distributed()
+    init_distributed()
     return sweep_allreduce(sizes, rounds)
 
 

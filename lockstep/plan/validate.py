@@ -85,17 +85,20 @@ def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: C
     torch.manual_seed(0)
     import torch.distributed as dist
 
-    import lockstep
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.distributed import init_distributed
     from lockstep.doctor.api import gather_report
+    from lockstep.doctor.recorder import Recorder
 
-    lockstep.init_distributed()
+    init_distributed()
     # Every rank trains alone (a group of one each): rank 0's profile is a world of one, the
     # others only compute beside it, as the ranks of the predicted world will.
     solos = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    ddp = lockstep.DistributedDataParallel(build(), process_group=solos[rank])
+    ddp = DistributedDataParallel(build(), process_group=solos[rank])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = make_batch()
     recorder = ddp.enable_profiling(warmup=3)
+    assert isinstance(recorder, Recorder)  # the doctor's (lockstep.profilers), enabled
     dist.barrier()
     for _ in range(3 + steps):
         opt.zero_grad()
@@ -112,7 +115,7 @@ def profile_world1(build: Callable, make_batch: Callable, loss_fn: Callable, *, 
     """A world-1 profile measured in a fresh one-thread process (as the ranks will run).
 
     It is the doctor's profile (``enable_profiling``): at a world of one it lists the buckets
-    DDP would send and when each would be ready (:mod:`lockstep.doctor.arrivals`).
+    DDP would send and when each would be ready (:mod:`lockstep.ddp.arrivals`).
 
     Args:
         beside: processes that train the same model alone at the same time (one thread each),
@@ -137,13 +140,15 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
                 throttle: float | None, sweep_sizes: Sequence[int] | None) -> dict:
     import torch.distributed as dist
 
-    import lockstep
+    from lockstep.ddp.wrapper import DistributedDataParallel
+    from lockstep.distributed import init_distributed
+    from lockstep.doctor.recorder import Recorder
     from lockstep.doctor.records import phases_of
     from lockstep.plan.measure import sweep_allreduce
 
-    lockstep.init_distributed()
+    init_distributed()
     torch.manual_seed(0)
-    model = lockstep.DistributedDataParallel(build())
+    model = DistributedDataParallel(build())
     if throttle is not None:
         model.register_comm_hook(Throttle(throttle), throttle_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -162,7 +167,8 @@ def _ddp_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Calla
         loss_fn(model(x), y).backward()
         opt.step()
     step_s = (time.perf_counter() - start) / steps
-    recorded = model.profiler.payload()["steps"] if model.profiler is not None else []
+    recorder = model.profiler  # the doctor's Recorder (lockstep.profilers)
+    recorded = recorder.payload()["steps"] if isinstance(recorder, Recorder) else []
     # Exposed: backward's wait for the all-reduces and forward's wait for the buffer broadcast.
     waits = [phases_of(s)["exposed_comm"] for s in recorded[1:]] or [0.0]
     return {"step_s": step_s, "exposed_s": statistics.median(waits),
