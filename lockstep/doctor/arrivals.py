@@ -1,6 +1,6 @@
 """Gradient arrivals at a world of one: now :mod:`lockstep.ddp.arrivals` (DDP's side of the profile).
 
-Re-exported here for existing imports (``lockstep.doctor.torch_ddp`` and users').
+Re-exported here for existing imports (users' and tests').
 """
 
 from __future__ import annotations

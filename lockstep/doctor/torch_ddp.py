@@ -24,10 +24,10 @@ One private name is used, in :func:`_after_backward`: the autograd engine's ``qu
 
 A world of one has no DDP (Trainer does not wrap a single process): there the outermost module
 whose parameters the first optimizer step updates is recorded from its next forward on, and
-:class:`~lockstep.doctor.arrivals.GradientArrivals` marks the buckets DDP would send.
+:class:`~lockstep.ddp.arrivals.GradientArrivals` marks the buckets DDP would send.
 
 Gradient hooks, and their cost: a Python hook on every parameter cost 10-20% of a GPU step
-bound by the host's kernel launches, so, as :class:`~lockstep.doctor.arrivals.GradientArrivals`
+bound by the host's kernel launches, so, as :class:`~lockstep.ddp.arrivals.GradientArrivals`
 does, every trainable parameter is hooked only during the first backward, which learns the order
 gradients arrive in. From then on one hook is left, on the parameter that arrived last (it marks
 the end of backward's compute), and the comm hook names each bucket's last gradient from that
@@ -63,9 +63,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-import lockstep.ddp  # noqa: F401  - first: lockstep.ddp and the doctor's recorder import each other
 from lockstep._torch_compat import queue_callback
-from lockstep.doctor.arrivals import GradientArrivals
+from lockstep.ddp.arrivals import GradientArrivals
 from lockstep.doctor.profile_env import settings_from_env
 from lockstep.doctor.recorder import Recorder
 from lockstep.tensors import iter_tensors
