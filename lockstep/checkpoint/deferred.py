@@ -41,8 +41,14 @@ _POLL_S = 0.02  # how often the writing thread looks whether the thread that sav
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """What identifies ``tensor``'s memory across views (``None`` for an empty one)."""
-    ptr = tensor.untyped_storage().data_ptr()
+    """What identifies ``tensor``'s memory across views (``None``: empty, or no plain storage,
+    as a sparse tensor or a DTensor: such a tensor is copied at once)."""
+    if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    try:
+        ptr = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
     return (str(tensor.device), ptr) if ptr else None
 
 
@@ -81,7 +87,7 @@ class DeferredCopy:
         self._saver = threading.current_thread()
         self._copied = threading.Event()
         self._checked = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a SIGTERM handler may check inside a check
         self._hooks: list[Any] = []
         self.error: str | None = None  # set by check(): which tensor changed
         if not jobs:

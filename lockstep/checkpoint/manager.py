@@ -435,6 +435,9 @@ class Checkpointer:
         self._meet("restore()")
         self._check_agreement("restore()")
         self._settle()
+        # Another Checkpointer's save in flight into this directory (it publishes only once
+        # its deferred copy is checked, here): the memory copies follow the disk's newest.
+        wait_for_writes(self.directory)
         rank = self._rank_and_world()[0]
         if self._memory is not None:
             broadcast = partial(broadcast_from, world=self._rank_and_world()[1],
