@@ -14,6 +14,9 @@ Then the stall: how long each way of saving blocks the training loop, taken alte
 of ``--repeats``: ``torch.save``, a copy of the state in memory (``clone()`` of every tensor),
 a blocking ``Checkpointer.save(blocking=True)`` and an asynchronous one (the default; its
 background write is waited for outside the timed part, as the next training steps would hide it).
+The asynchronous save copies the parameters and Adam's state after it returns, before the next
+``optimizer.step()``: the last two rows time a step alone and a save followed at once by a step
+(no forward/backward to hide the copy behind), whose difference is the most a step can wait.
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ def measure_stalls(
          "optimizer": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
                        for k, v in optimizer.state_dict()["state"].items()}}
 
+    def save_then_step() -> None:
+        background.save(1, model=model, optimizer=optimizer)
+        optimizer.step()  # waits for the copy of the parameters and optimizer state
+
     ways = {
         "torch.save": torch_save,
         "memory snapshot (clone)": snapshot,
@@ -163,6 +170,8 @@ def measure_stalls(
             1, model=model, optimizer=optimizer),
         "Checkpointer.save(blocking=False)": lambda: background.save(
             1, model=model, optimizer=optimizer),
+        "optimizer.step() alone": optimizer.step,
+        "Checkpointer.save(blocking=False), then optimizer.step() at once": save_then_step,
     }
     stalls: dict[str, list[float]] = {how: [] for how in ways}
     for _ in range(repeats):

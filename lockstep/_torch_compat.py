@@ -36,6 +36,7 @@ __all__ = [
     "queue_callback",
     "refresh_rnn_flat_weights",
     "rendezvous_internals",
+    "tensor_version",
     "unflatten_dense_tensors",
 ]
 
@@ -91,6 +92,20 @@ def preserve_version_counter(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
                        "broadcast buffers between two forwards", err) from err
     with preserve(tuple(tensors)):
         yield
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many in-place writes autograd has counted on ``tensor`` (``tensor._version``).
+
+    The checkpoint's deferred copy compares it before and after copying a parameter, to tell a
+    consistent copy from one the loop wrote into meanwhile (issue #24). Writes through
+    ``tensor.data`` or ``preserve_version_counter`` are not counted.
+    """
+    try:
+        return int(tensor._version)
+    except AttributeError as err:
+        raise _missing("Tensor._version", "check that a checkpoint's copy of a tensor is "
+                       "consistent", err) from err
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -238,7 +238,7 @@ TORCH_PRIVATE_ATTRS = {
     "_execution_engine", "_current_graph_task_id", "_unsafe_preserve_version_counter",
     "_flat_weights_names", "_flat_weights", "_get_default_store", "_state_holder",
     "_shared_tcp_store_server", "_this_node", "_orig_mod", "_flatten_dense_tensors",
-    "_unflatten_dense_tensors",
+    "_unflatten_dense_tensors", "_version",
 }
 # Modules that still read torch privates directly; each fix removes its entry.
 KNOWN_PRIVATE_USERS = {
@@ -298,4 +298,5 @@ def test_the_private_check_catches_torch_privates():
     assert torch_private_uses("torch._C._current_graph_task_id()")
     assert torch_private_uses("Variable._execution_engine.queue_callback(f)")
     assert torch_private_uses("m._flat_weights_names")
+    assert torch_private_uses("param._version")
     assert not torch_private_uses("self._reducer.clock\ntorch.autograd.grad(x, y)\nx.__class__")

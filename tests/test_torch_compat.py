@@ -52,6 +52,18 @@ def test_preserve_version_counter_keeps_the_version():
     assert t.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_tensor_version_counts_in_place_writes():
+    t = torch.zeros(3)
+    before = compat.tensor_version(t)
+    t.add_(1)
+    view = t.detach()  # a detached view shares the counter: what a state_dict() holds
+    view.mul_(2)
+    assert compat.tensor_version(t) == compat.tensor_version(view) == before + 2
+    with compat.preserve_version_counter([t]):
+        t.add_(1)
+    assert compat.tensor_version(t) == before + 2
+
+
 def test_flatten_and_unflatten_round_trip():
     tensors = [torch.arange(3.0), torch.ones(2, 2)]
     flat = compat.flatten_dense_tensors(tensors)

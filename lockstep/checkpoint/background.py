@@ -7,6 +7,10 @@ collective while the loop trains: the process group stays the loop's alone. A fa
 and raised, on every rank, by the next ``save()``/``restore()``/``wait()``; the staging
 directory is then dropped, and the previous checkpoint is untouched, as with a blocking save.
 
+The thread first completes the snapshot's deferred copies (``deferred.py``), and publishes (or,
+on other ranks, marks its files written) only once the thread that saved has checked that no
+source changed meanwhile, at its next optimizer step or checkpoint call.
+
 The thread is not a daemon: a process that returns from ``main`` right after ``save()`` finishes
 the write before it exits. :func:`finish_on_sigterm` makes a SIGTERM (what the launcher sends to
 stop workers) wait for it too.
@@ -25,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lockstep.checkpoint.deferred import DeferredCopy
 from lockstep.checkpoint.writing import write_files
 
 __all__ = ["BackgroundSave", "finish_on_sigterm", "wait_for_writes"]
@@ -55,6 +60,7 @@ class BackgroundSave:
         timeout: seconds rank 0 waits for the other ranks' markers.
         attempt: runs a callable and returns ``(result, error message or None)``.
         copy: receives each encoded file first (``replicas.MemoryCopies.keep``), if given.
+        deferred: the snapshot's copies still to do (``Snapshot.take``), if any.
     """
 
     def __init__(
@@ -68,12 +74,16 @@ class BackgroundSave:
         timeout: float,
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
         copy: Callable[[str, bytes], None] | None = None,
+        deferred: DeferredCopy | None = None,
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
         self._files, self._publish, self._attempt = files, publish, attempt
         self._copy = copy
+        self._deferred = deferred if deferred is not None else DeferredCopy([], [])
         self.error: str | None = None  # "rank r: message" of the first failure seen here
-        self._deadline = time.monotonic() + timeout  # for rank 0's wait for the other ranks
+        self._timeout = timeout
+        # For rank 0's wait for the other ranks: counted from its own check (see _run).
+        self._deadline = float("inf")
         self._thread = threading.Thread(
             target=self._run, name=f"lockstep-checkpoint-{final.name}", daemon=False
         )
@@ -89,12 +99,24 @@ class BackgroundSave:
         return self._thread.is_alive()
 
     def join(self) -> str | None:
-        """Wait for the write (and, on rank 0, the publish); the error seen here, if any."""
+        """Wait for the write (and, on rank 0, the publish); the error seen here, if any.
+
+        Call it on the thread that saved: it first checks the deferred copy (see ``deferred.py``).
+        """
+        self._deferred.check()
         self._thread.join()
+        self._deferred.remove_hooks()
         return self.error
 
+    def _write(self) -> None:
+        self._deferred.run()
+        write_files(self.staging, self._files, self._copy)
+
     def _run(self) -> None:
-        _, error = self._attempt(lambda: write_files(self.staging, self._files, self._copy))
+        _, error = self._attempt(self._write)
+        changed = self._deferred.checked()  # nothing is published before the check passed
+        error = changed or error
+        self._deadline = min(self._deadline, time.monotonic() + self._timeout)
         self._files = {}  # the snapshot's buffers stay with the Snapshot for the next save
         if self.rank != 0:
             self._leave_marker(error)

@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm, wait_for_writes
+from lockstep.checkpoint.deferred import DeferredCopy, stepped_storages, stepping_optimizers
 from lockstep.checkpoint.directory import (
     check_directory,
     checkpoint_files,
@@ -113,6 +114,12 @@ class Checkpointer:
         when_busy: what an asynchronous :meth:`save` does while the previous one is still
             being written on some rank: ``"wait"`` for it, or ``"skip"`` this save (nothing is
             written for that step; for saving every step at the pace the disk allows).
+        defer_copy: let an asynchronous save copy the parameters and optimizer state of the
+            optimizers it is given after it returns, overlapping the next forward/backward; the
+            copy is completed before their next ``step()``, and a save whose parameters were
+            changed in place meanwhile fails (see ``deferred.py``). ``False``: copy everything
+            before ``save()`` returns, for loops that write parameters outside ``step()``
+            between a save and the next step.
 
     Example::
 
@@ -136,6 +143,7 @@ class Checkpointer:
         memory: bool = False,
         memory_dir: str | os.PathLike | None = None,
         when_busy: str = "wait",
+        defer_copy: bool = True,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -153,10 +161,13 @@ class Checkpointer:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        if not isinstance(defer_copy, bool):
+            raise TypeError(f"defer_copy must be True or False, got {defer_copy!r}")
         if when_busy not in ("wait", "skip"):
             raise ValueError(f'when_busy must be "wait" or "skip", got {when_busy!r}')
         self.when_busy = when_busy
         self.blocking = blocking
+        self.defer_copy = defer_copy
         self.directory = Path(directory)
         self.keep = keep
         self.process_group = process_group
@@ -289,7 +300,9 @@ class Checkpointer:
         """Write a checkpoint for ``step``; call on every rank.
 
         By default (``blocking=False``) the save is asynchronous: it returns once a copy of the
-        state is in host memory (see :attr:`snapshot_bytes`) and a thread writes it; the
+        state is in host memory (see :attr:`snapshot_bytes`; the parameters and state of the
+        optimizers passed are copied while the loop runs on, before their next ``step()``: see
+        ``defer_copy``) and a thread writes it; the
         checkpoint directory appears when every rank has written. The next ``save()``, :meth:`wait`,
         ``restore()``, the end of the process and a SIGTERM wait for it; an error in the write is
         raised by the next ``save()``/``wait()``/``restore()``. ``blocking=True`` returns only
@@ -340,11 +353,21 @@ class Checkpointer:
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
         writers = shard_writers([objects[name] for name in sharded], self._gather)  # replicas skip
 
+        optimizers = stepping_optimizers(objects) if self.defer_copy and not blocking else []
+        deferred: list[DeferredCopy] = []
+
         def collect() -> dict[str, Any]:
             files = collect_rank_files(rank, world, step, epoch, extra, objects, sharded, writers)
-            return files if blocking else self._snapshot.take(files)
+            if blocking:
+                return files
+            # Parameters and optimizer state are copied later: only a step changes them.
+            snapshot, later = self._snapshot.take(files, stepped_storages(optimizers), step)
+            deferred.append(later)
+            return snapshot
 
         def drop_staging() -> None:
+            for later in deferred:
+                later.run()  # CUDA copies in flight must land before the buffers are reused
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
 
@@ -358,9 +381,11 @@ class Checkpointer:
         if not blocking:
             finish_on_sigterm()
             publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
+            later = deferred[0]
+            later.watch(optimizers)
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
-                self.timeout.total_seconds(), self._attempt, copy,
+                self.timeout.total_seconds(), self._attempt, copy, later,
             )
             return final
         files_list = checkpoint_files(world, writers)
@@ -410,6 +435,9 @@ class Checkpointer:
         self._meet("restore()")
         self._check_agreement("restore()")
         self._settle()
+        # Another Checkpointer's save in flight into this directory (it publishes only once
+        # its deferred copy is checked, here): the memory copies follow the disk's newest.
+        wait_for_writes(self.directory)
         rank = self._rank_and_world()[0]
         if self._memory is not None:
             broadcast = partial(broadcast_from, world=self._rank_and_world()[1],

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep._torch_compat import tensor_version
 from lockstep.dp.replicate import replicate
 
 __all__ = ["ReplicaCache", "state_key"]
@@ -25,9 +26,9 @@ __all__ = ["ReplicaCache", "state_key"]
 
 def state_key(module: nn.Module) -> tuple[Any, ...]:
     """What has to be equal for a replica of ``module`` to still be a faithful copy."""
-    # _version is the counter autograd itself uses to spot in-place writes.
+    # The version is the counter autograd itself uses to spot in-place writes.
     tensors = tuple(
-        (id(t), t.data_ptr(), t._version) for t in [*module.parameters(), *module.buffers()]
+        (id(t), t.data_ptr(), tensor_version(t)) for t in [*module.parameters(), *module.buffers()]
     )
     return tensors, tuple(m.training for m in module.modules())
 

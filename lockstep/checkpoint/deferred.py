@@ -1,0 +1,161 @@
+"""The part of an asynchronous save's copy that finishes while the loop trains on (issue #24).
+
+Copying the whole state into host memory costs about as much as ``torch.save`` into the page
+cache, so :meth:`Checkpointer.save` copies at once only what the next forward/backward may
+change (buffers such as BatchNorm statistics, RNG states, samplers, schedulers, plain values)
+and defers the copy of what only an optimizer step changes: the parameters and the state of the
+optimizers passed to the same ``save()``. Those copies run in the background (CPU: in the
+writing thread; CUDA: on a side stream, not synchronised) and are completed before:
+
+- the next ``step()`` of each of those optimizers (a step pre-hook, a no-op once it fired and
+  removed at the next checkpoint call: torch iterates the hooks while calling them);
+- the next ``save()``, ``wait()``, ``restore()`` (and a SIGTERM, and the end of the process);
+- the writing thread encodes the buffers.
+
+Something else may still write into a parameter before the next step (an EMA written back, a
+clamp, ``load_state_dict``). Each source tensor's version counter is recorded when ``save()``
+starts and compared once the copy is complete, on the thread that called ``save()`` (at the
+step, or the next checkpoint call), where every earlier write has been counted: a changed
+counter fails the save, naming the tensor, like a failed write (raised by the next call on every
+rank, the previous checkpoint stays the newest). Until that check passed, the writing thread
+may write the staging directory but does not publish it. If that thread outlives the one that
+saved (a script that returns right after ``save()``), it checks the counters itself.
+
+Writes that autograd does not count (through ``tensor.data``, NumPy views) cannot be seen: code
+that writes parameters that way must call ``wait()`` first, or save with ``defer_copy=False``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lockstep._torch_compat import tensor_version
+
+__all__ = ["DeferredCopy", "stepped_storages", "stepping_optimizers"]
+
+_POLL_S = 0.02  # how often the writing thread looks whether the thread that saved is alive
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """What identifies ``tensor``'s memory across views (``None``: empty, or no plain storage,
+    as a sparse tensor or a DTensor: such a tensor is copied at once)."""
+    if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    try:
+        ptr = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (str(tensor.device), ptr) if ptr else None
+
+
+def stepping_optimizers(objects: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers among the objects of a save (a ZeRO optimizer is one)."""
+    return [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
+
+
+def stepped_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[str, int]]:
+    """The memory that only a step of ``optimizers`` changes: their parameters and state."""
+    keys: set[tuple[str, int] | None] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            keys.update(storage_key(p) for p in group["params"])
+        for state in optimizer.state.values():
+            keys.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+    keys.discard(None)
+    return keys  # type: ignore[return-value]
+
+
+class DeferredCopy:
+    """Copies of ``(name, source, host buffer)`` finishing after ``save()`` returned.
+
+    CUDA copies are queued by :meth:`Snapshot.take` on its side streams (``events`` mark their
+    end); CPU copies run in :meth:`run`, which the writing thread calls first. Build it on the
+    thread that saves, before anything else may write into the sources.
+    """
+
+    def __init__(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor]], events: list[Any],
+                 step: int | None = None) -> None:
+        self._jobs = jobs
+        self.nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in jobs)  # copied later
+        self._versions = [tensor_version(source) for _, source, _ in jobs]
+        self._events = events
+        self._step = step
+        self._saver = threading.current_thread()
+        self._copied = threading.Event()
+        self._checked = threading.Event()
+        self._lock = threading.RLock()  # a SIGTERM handler may check inside a check
+        self._hooks: list[Any] = []
+        self.error: str | None = None  # set by check(): which tensor changed
+        if not jobs:
+            self._copied.set()
+            self._checked.set()
+
+    def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Complete and check the copy before the next step of each of ``optimizers``."""
+        if self._checked.is_set():
+            return
+        for optimizer in optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.check()  # a failure is raised by the next checkpoint call, not by the step
+
+    def run(self) -> None:
+        """Do the CPU copies and wait for the CUDA ones (the writing thread, before encoding)."""
+        try:
+            for _, source, buffer in self._jobs:
+                if source.device.type != "cuda":
+                    buffer.copy_(source)  # releases the GIL: the loop runs on meanwhile
+            for event in self._events:
+                event.synchronize()
+        finally:
+            self._copied.set()
+
+    def check(self) -> str | None:
+        """Wait for the copy, then compare the version counters; the error, if any.
+
+        Call it on the thread that saved (there every write before the call has been counted),
+        or once that thread has ended.
+        """
+        self._copied.wait()
+        with self._lock:
+            if not self._checked.is_set():
+                self.error = self._changed()
+                self._jobs = []  # keep no parameter alive
+                self._checked.set()
+        return self.error
+
+    def _changed(self) -> str | None:
+        for (name, source, _), before in zip(self._jobs, self._versions):
+            if tensor_version(source) != before:
+                at = f"save(step={self._step})" if self._step is not None else "save()"
+                return (
+                    f"{name} was changed in place after {at} returned and before its copy was "
+                    "checked (at the next optimizer step): the checkpoint would mix old and new "
+                    "values, so it was not published. Call ckpt.wait() before changing "
+                    "parameters or optimizer state outside optimizer.step() (EMA, clamping, "
+                    "load_state_dict), or save with blocking=True, or build the Checkpointer "
+                    "with defer_copy=False"
+                )
+        return None
+
+    def checked(self) -> str | None:
+        """Wait until :meth:`check` ran (the writing thread, before publishing); its error.
+
+        If the thread that saved ends first, nothing can write the sources any more: check now.
+        """
+        while not self._checked.wait(_POLL_S):
+            if not self._saver.is_alive():
+                return self.check()
+        return self.error
+
+    def remove_hooks(self) -> None:
+        """Remove the step hooks (outside any ``step()``: the next checkpoint call)."""
+        hooks, self._hooks = self._hooks, []
+        for handle in hooks:
+            handle.remove()
+
