@@ -298,7 +298,9 @@ def _world_of_two(rank: int, directory: str) -> None:
     with torch.no_grad():
         for p in fresh["model"].parameters():
             p.add_(1.0)
-    ckpt.save(6, model=fresh["model"])
+    # blocking: the write (and the SIGKILL in it) happens before save() returns, so rank 0 can
+    # never report success first (asynchronous, its writer thread raced the function's return)
+    ckpt.save(6, model=fresh["model"], blocking=True)
 
 
 @pytest.mark.multirank
