@@ -320,7 +320,9 @@ def test_a_machine_joining_an_elastic_job_is_announced(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     argv = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
             "--rdzv-id", "grow", "--rdzv-conf", "last_call_timeout=1",
-            str(SCRIPT), str(out), "16", "--delay", "0.15", "--ckpt", str(ckpt), "--mark", "3"]
+            str(SCRIPT), str(out), "40", "--delay", "0.25", "--ckpt", str(ckpt), "--mark", "3"]
+    # After the mark, machine 0 trains on for about 9 s: time for the second launcher to start
+    # and join on a loaded machine (with 16 steps of 0.15 s it sometimes finished first).
     first = _start(tmp_path / "m0.log", *argv)
     _hosting(first, endpoint, tmp_path / "m0.log")
     deadline = time.monotonic() + RUN_TIMEOUT_S
