@@ -5,9 +5,11 @@ Usage::
     python benchmarks/bench_torch_ddp_profile.py                # world 2, gloo/CPU
     python benchmarks/bench_torch_ddp_profile.py --breakdown    # + microseconds per hook kind
     python benchmarks/bench_torch_ddp_profile.py --quick
+    python benchmarks/bench_torch_ddp_profile.py --device cuda --world 1 --width 4096 --batch 256
 
 Each rank builds four :class:`torch.nn.parallel.DistributedDataParallel` replicas of the same
-model (a 9-layer 512-wide MLP, ``bucket_cap_mb=1``):
+model (a 9-layer MLP, 512 wide unless ``--width``, ``bucket_cap_mb=1``; on CUDA, NCCL and one GPU
+per rank, each step synchronised before it is timed):
 
 - ``off``: not observed, torch's built-in (C++) all-reduce;
 - ``py-hook``: not observed, torch's Python ``allreduce_hook`` registered: the floor for any
@@ -57,10 +59,10 @@ VARIANTS = ("off", "py-hook", "after", "before")
 KINDS = ("comm hook", "forward hooks", "backward start/end", "grad-ready hooks", "optimizer hooks")
 
 
-def _model() -> nn.Module:
+def _model(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)],
-                         nn.Linear(512, 10))
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(8)],
+                         nn.Linear(width, 10))
 
 
 class HookTimes:
@@ -109,16 +111,21 @@ class HookTimes:
             yield
 
 
-def run(rank: int, rounds: int, block: int, warmup: int, breakdown: bool) -> dict:
-    dist.init_process_group("gloo")
+def run(rank: int, rounds: int, block: int, warmup: int, breakdown: bool, shape: tuple[str, int, int]) -> dict:
+    device = torch.device(shape[0], rank) if shape[0] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     times = HookTimes()
     with times.installed() if breakdown else contextlib.nullcontext():
-        return _measure(rounds, block, warmup, times)
+        return _measure(rounds, block, warmup, times, device, shape[1], shape[2])
 
 
-def _measure(rounds: int, block: int, warmup: int, hook_times: HookTimes) -> dict:
-    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
-    models = {name: TorchDDP(_model(), bucket_cap_mb=1) for name in VARIANTS}
+def _measure(rounds: int, block: int, warmup: int, hook_times: HookTimes, device: torch.device,
+             width: int, batch: int) -> dict:
+    x, y = torch.randn(batch, width, device=device), torch.randint(0, 10, (batch,), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    models = {name: TorchDDP(_model(width).to(device), bucket_cap_mb=1) for name in VARIANTS}
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     models["py-hook"].register_comm_hook(dist.group.WORLD, allreduce_hook)
     watch = TorchDDPWatch({"out_dir": None, "max_steps": None, "warmup": 0, "gather_every": 0})
@@ -138,6 +145,7 @@ def _measure(rounds: int, block: int, warmup: int, hook_times: HookTimes) -> dic
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            sync()
             out.append(time.perf_counter() - start)
         return out
 
@@ -160,6 +168,9 @@ def _measure(rounds: int, block: int, warmup: int, hook_times: HookTimes) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    parser.add_argument("--width", type=int, default=512, help="the MLP's width")
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=20)
     parser.add_argument("--breakdown", action="store_true",
@@ -167,13 +178,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few rounds: proves it runs")
     args = parser.parse_args()
     rounds, block = (4, 5) if args.quick else (args.rounds, args.block)
-    res = lockstep.spawn(run, args.world, (rounds, block, 5, args.breakdown), timeout=900)[0]
+    shape = (args.device, args.width, args.batch)
+    res = lockstep.spawn(run, args.world, (rounds, block, 5, args.breakdown, shape), timeout=900)[0]
     per_round = res["per_round"]
     steps = {k: [t for block_times in v for t in block_times] for k, v in per_round.items()}
     med = {k: statistics.median(v) for k, v in steps.items()}
     p25 = {k: statistics.quantiles(v, n=4)[0] for k, v in steps.items()}
     by_round = {k: [statistics.median(b) for b in v] for k, v in per_round.items()}
-    print(f"world {args.world}, gloo/CPU, {rounds} alternating rounds of {block} steps, rank 0"
+    where = "NCCL/" + torch.cuda.get_device_name(0) if args.device == "cuda" else "gloo/CPU"
+    print(f"world {args.world}, {where}, width {args.width}, batch {args.batch}, {rounds} alternating rounds of {block} steps, rank 0"
           + (" (hooks timed: wall times inflated)" if args.breakdown else "") + ":")
     print(f"  {'variant':10} {'ms/step':>8} {'/ off':>7} {'p25 / off':>10} {'per-round / off':>16}")
     for name in VARIANTS:

@@ -221,7 +221,7 @@ def test_the_writer_checks_itself_once_the_saving_thread_ended(tmp_path, monkeyp
     assert (tmp_path / "step_000000000001").exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_deferred_cuda_copy_equals_a_blocking_save(tmp_path):
     model = _model().cuda()
     optimizer = torch.optim.Adam(model.parameters())

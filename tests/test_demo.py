@@ -81,6 +81,7 @@ def test_demo_on_one_and_two_workers_agree(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.multirank
 def test_demo_on_one_gpu(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import train_gpt
