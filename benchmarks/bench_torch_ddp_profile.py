@@ -51,7 +51,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import lockstep
-import lockstep.doctor.recorder
+import lockstep.doctor.optimizer_watch
 import lockstep.doctor.torch_ddp
 from lockstep.doctor.torch_ddp import TorchDDPWatch
 
@@ -92,7 +92,7 @@ class HookTimes:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Wrap every hook registered through torch's public registration functions."""
-        rec_mod, ddp_mod = lockstep.doctor.recorder, lockstep.doctor.torch_ddp
+        rec_mod, ddp_mod = lockstep.doctor.optimizer_watch, lockstep.doctor.torch_ddp
         patches = [  # (owner, name, kind, index of the hook among the positional arguments)
             (nn.Module, "register_forward_pre_hook", "forward hooks", 1),
             (nn.Module, "register_forward_hook", "forward hooks", 1),

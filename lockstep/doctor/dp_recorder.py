@@ -15,17 +15,13 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from lockstep._torch_compat import queue_callback
+from lockstep.doctor.optimizer_watch import OptimizerWatch
 
 __all__ = ["DP_PHASES", "DataParallelRecorder"]
 
@@ -41,12 +37,9 @@ class DataParallelRecorder:
         self.devices, self.warmup = devices, warmup
         self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=history)
         self.step_count = 0
-        self._param_ids = {id(p) for p in params}
-        self._ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._begin = time.perf_counter()
         self._new_step()
-        self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre),
-                         register_optimizer_step_post_hook(self._optimizer_post)]
+        self._optimizers = OptimizerWatch(params, self._optimizer_started, self._optimizer_ended)
 
     def _new_step(self) -> None:
         self._cur: dict[str, Any] = {p: 0.0 for p in DP_PHASES}
@@ -100,20 +93,11 @@ class DataParallelRecorder:
             self._backward_start = None
 
     # ---- optimizer: the step ends with it ---------------------------------------------------
-    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
-        known = self._ours.get(optimizer)
-        if known is None:
-            known = any(id(p) in self._param_ids for g in optimizer.param_groups
-                        for p in g["params"])
-            self._ours[optimizer] = known
-        return known
+    def _optimizer_started(self) -> None:
+        self._opt_start = time.perf_counter()
 
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._is_ours(optimizer):
-            self._opt_start = time.perf_counter()
-
-    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._opt_start is None or not self._is_ours(optimizer):
+    def _optimizer_ended(self) -> None:
+        if self._opt_start is None:
             return
         end = time.perf_counter()
         self._cur["optimizer"] += end - self._opt_start
@@ -138,9 +122,7 @@ class DataParallelRecorder:
         return out
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._optimizers.close()
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

@@ -5,8 +5,9 @@ callback on each all-reduce's future. Nothing synchronises a device (see ``stamp
 nothing is gathered across ranks except, every ``gather_every`` steps, one small asynchronous
 all-gather of per-rank means whose result is read ``gather_every`` steps later.
 
-The optimizer step is found without user code: torch's global optimizer step hooks are installed
-while profiling is on, and they only time optimizers that hold this model's parameters.
+The optimizer step is found without user code (:mod:`~lockstep.doctor.optimizer_watch`); the
+cross-rank summaries are :mod:`~lockstep.doctor.rank_gather`'s and the per-rank file
+:mod:`~lockstep.doctor.rank_file`'s. This module holds the marks and the steps they make.
 
 It implements DDP's :class:`~lockstep.ddp.observer.StepObserver`; DDP builds it through
 :mod:`lockstep.profilers` (where ``lockstep/__init__.py`` registers it), never by name.
@@ -14,38 +15,26 @@ It implements DDP's :class:`~lockstep.ddp.observer.StepObserver`; DDP builds it 
 
 from __future__ import annotations
 
-import atexit
 import collections
-import json
-import logging
 import os
 import socket
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
-from lockstep.doctor.records import (
-    PHASES,
-    BucketEvents,
-    StepRecord,
-    phases_of,
-)
+from lockstep.doctor.optimizer_watch import OptimizerWatch
+from lockstep.doctor.rank_file import RankFile
+from lockstep.doctor.rank_gather import RankGather
+from lockstep.doctor.records import BucketEvents, StepRecord, phases_of
 from lockstep.doctor.stamps import Stamp, Stamps
 from lockstep.profilers import StepTiming
 from lockstep.tensors import batch_size
 
 __all__ = ["Recorder"]
-
-logger = logging.getLogger(__name__)
 
 Layout = Callable[[], list[dict[str, Any]]]
 
@@ -99,8 +88,6 @@ class Recorder:
         self.steps: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.step_count = 0
         self.batch_size: int | None = None
-        self.gathers_paused = False
-        self.latest_ranks: list[dict[str, float]] = []  # the last cross-rank summary
         self._pending: list[StepRecord] = []  # closed steps whose CUDA events are not resolved
         self._iterations: collections.deque[tuple[Stamp, Stamp, Stamp, Stamp, Stamp]] = (
             collections.deque(maxlen=history))
@@ -109,19 +96,27 @@ class Recorder:
         self._bwd: list[Any] | None = None
         self._bucket_events: dict[int, BucketEvents] = {}
         self._optimizer_seen = False
-        self._param_ids = {id(p) for p in params}
-        self._ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._gather: tuple[Any, torch.Tensor] | None = None
         self._opt_start: Stamp | None = None
-        # torch's optimizer hooks are global: hold this recorder weakly so that a model dropped
-        # without disable leaves only an empty hook behind.
-        self._handles = [
-            register_optimizer_step_pre_hook(_weak_hook(self._optimizer_pre)),
-            register_optimizer_step_post_hook(_weak_hook(self._optimizer_post)),
-        ]
-        self._saved_at = -1
-        if self.out_dir is not None:
-            atexit.register(self.save)
+        self._gathers = RankGather(group, device, self.backend, gather_every,
+                                   lambda: self.step_phases(wait=False))
+        self._file = (RankFile(self.out_dir, self.rank, self.payload, lambda: self.step_count)
+                      if self.out_dir is not None else None)
+        self._optimizers: OptimizerWatch | None = OptimizerWatch(params, self._optimizer_started,
+                                                                 self._optimizer_ended)
+
+    @property
+    def gathers_paused(self) -> bool:
+        """Whether the periodic cross-rank gathers are paused (a rank that joined early)."""
+        return self._gathers.paused
+
+    @gathers_paused.setter
+    def gathers_paused(self, paused: bool) -> None:
+        self._gathers.paused = paused
+
+    @property
+    def latest_ranks(self) -> list[dict[str, float]]:
+        """The last cross-rank summary read: mean seconds per phase, one dict per rank."""
+        return self._gathers.latest
 
     # ---- forward and backward (called by the DDP wrapper and its reducer) ----------------
     def forward_started(self, inputs: Any = None) -> None:
@@ -204,18 +199,9 @@ class Recorder:
         for ev in self._bucket_events.values():
             ev.waited = now
 
-    # ---- optimizer (torch's global step hooks, filtered to this model's optimizers) -------
-    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
-        known = self._ours.get(optimizer)
-        if known is None:
-            known = any(id(p) in self._param_ids
-                        for g in optimizer.param_groups for p in g["params"])
-            self._ours[optimizer] = known
-        return known
-
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._is_ours(optimizer):
-            self._opt_start = self.stamps.now()
+    # ---- optimizer (its step hooks, through OptimizerWatch) ---------------------------------
+    def _optimizer_started(self) -> None:
+        self._opt_start = self.stamps.now()
 
     def restart_optimizer_span(self) -> None:
         """An optimizer step is under way (``step(closure)``): its own time starts now.
@@ -225,8 +211,8 @@ class Recorder:
         if self._opt_start is not None:
             self._opt_start = self.stamps.now()
 
-    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._opt_start is None or not self._is_ours(optimizer):
+    def _optimizer_ended(self) -> None:
+        if self._opt_start is None:
             return
         end = self.stamps.now()
         self._cur.optimizer.append([self._opt_start, end])  # type: ignore[list-item]
@@ -243,11 +229,11 @@ class Recorder:
         self._pending.append(record)
         self._resolve(wait=False)
         self.step_count += 1
-        if self.gather_every and self.step_count % self.gather_every == 0:
-            self._periodic_gather()
+        self._gathers.step_closed(self.step_count)
         if self.max_steps is not None and self.step_count >= self.max_steps:
-            self.save()
-            raise SystemExit(0)  # lockstep doctor: the bounded run is over on every rank
+            if self._file is not None:
+                self._file.end_bounded_run()  # lockstep doctor: the run is over on every rank
+            raise SystemExit(0)
 
     def _resolve(self, wait: bool) -> None:
         """Move closed steps whose marks are all known into :attr:`steps`, in order."""
@@ -285,35 +271,7 @@ class Recorder:
                                   r(b2, True) - r(b1, True)))
         return out
 
-    # ---- cross-rank summaries --------------------------------------------------------------
-    def _periodic_gather(self) -> None:
-        """Every ``gather_every`` steps: read the previous gather, start the next one (async)."""
-        if self.group is None or self.world_size == 1 or self.gathers_paused:
-            return
-        if self._gather is not None:
-            work, table = self._gather
-            work.wait()  # issued gather_every steps ago: long complete
-            self._log_ranks(table.view(self.world_size, -1).tolist())
-        recent = self.step_phases(wait=False)[-self.gather_every:]
-        keys = (*PHASES, "step")
-        local = torch.tensor([sum(p[k] for p in recent) / max(1, len(recent)) for k in keys],
-                             dtype=torch.float64)
-        if self.backend == "nccl":
-            local = local.to(self.device)
-        table = torch.empty(self.world_size * len(keys), dtype=local.dtype, device=local.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(table, local, group=self.group, async_op=True)
-        self._gather = (work, table)
-
-    def _log_ranks(self, rows: list[list[float]]) -> None:
-        from lockstep.doctor.attribution import straggler_from_means
-
-        keys = (*PHASES, "step")
-        self.latest_ranks = [dict(zip(keys, row)) for row in rows]
-        if self.rank == 0:
-            finding = straggler_from_means(self.latest_ranks)
-            logger.info("lockstep profile, step %d: %s", self.step_count, finding.sentence())
-
+    # ---- the profile ------------------------------------------------------------------------
     def payload(self) -> dict[str, Any]:
         """This rank's raw profile (what ``rank<R>.json`` holds)."""
         self._resolve(wait=True)
@@ -332,35 +290,15 @@ class Recorder:
 
     def save(self) -> Path | None:
         """Write ``rank<R>.json`` into ``out_dir`` (once per new step); returns its path."""
-        if self.out_dir is None or self._saved_at == self.step_count:
-            return None
-        self._saved_at = self.step_count
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.payload()))
-        tmp.replace(path)
-        return path
+        return self._file.save() if self._file is not None else None
 
     def close(self) -> None:
         """Stop recording: remove the optimizer hooks (and save, if ``out_dir`` is set)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self.out_dir is not None:
-            self.save()
-            atexit.unregister(self.save)
-
-
-def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args: Any) -> None:
-        alive = ref()
-        if alive is not None:
-            alive(*args)
-
-    return hook
+        if self._optimizers is not None:
+            self._optimizers.close()
+            self._optimizers = None
+        if self._file is not None:
+            self._file.close()
 
 
 def _flat(spans: list[list[Any]]) -> list[Any]:
