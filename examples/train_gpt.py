@@ -62,13 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grad-reduce", choices=sorted(GRAD_REDUCE), default="fp32",
         help="how gradients are averaged over workers (docs/compression-and-local-sgd.md)")
     add("--out-dir", type=Path, default=Path("runs/demo"), help="where metrics.json and loss.png go")
+    add("--checkpoint-dir", type=Path, default=None,
+        help="save checkpoints here and resume from the newest at start; None saves nothing")
+    add("--checkpoint-every", type=int, default=50, help="steps between checkpoints (with --checkpoint-dir)")
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks"):
+    for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks",
+                 "checkpoint_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -120,12 +124,15 @@ def build(rt: lockstep.Runtime, args: argparse.Namespace):
     return vocab, train_loader, val_loader, val_set, model, state
 
 
-def batches(loader):
-    """Endless batches, reshuffled each epoch."""
-    epoch = 0
+def batches(loader, epoch: int = 0):
+    """Endless ``(epoch, batch)`` pairs, reshuffled each epoch, from ``epoch`` on.
+
+    A loader restored from a checkpoint keeps its place inside that first epoch.
+    """
     while True:
         loader.set_epoch(epoch)
-        yield from loader
+        for batch in loader:
+            yield epoch, batch
         epoch += 1
 
 
@@ -134,11 +141,25 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args))
     tokens_per_step = args.batch_size * args.block_size * rt.world_size
-    history = {"train": [], "val": [(0, evaluate(rt, model, val_loader, len(val_set)))]}
+    ckpt, objects, first, start_epoch = None, {}, 1, 0
+    if args.checkpoint_dir is not None:
+        # Asynchronous saves; one still being written when the next is due is skipped.
+        ckpt = lockstep.Checkpointer(args.checkpoint_dir, keep=2, when_busy="skip")
+        objects = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": train_loader}
+        resumed = ckpt.restore(**objects)
+        if resumed is not None:
+            first, start_epoch = resumed.step + 1, resumed.epoch or 0
+            if first > args.max_steps:
+                raise SystemExit(f"{args.checkpoint_dir} already holds step {resumed.step} of --max-steps "
+                                 f"{args.max_steps}: nothing to train (raise --max-steps, or pick another "
+                                 "--checkpoint-dir)")
+            rt.print(f"resumed from {resumed.path} at step {resumed.step}")
+    history = {"train": [], "val": [(first - 1, evaluate(rt, model, val_loader, len(val_set)))]}
     shown = {"loss": "-", "tok/s": "-", "val_loss": f"{history['val'][0][1]:.3f}"}
     bar = rt.progress(total=args.max_steps, desc=f"training on {rt.world_size} worker(s)", unit="step")
     train_time, window_loss, window_steps, clock = 0.0, 0.0, 0, time.perf_counter()
-    for step, (x, y) in enumerate(batches(train_loader), start=1):
+    bar.update(first - 1)
+    for step, (epoch, (x, y)) in enumerate(batches(train_loader, start_epoch), start=first):
         loss = F.cross_entropy(model(x).transpose(1, 2), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -159,13 +180,20 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
             history["val"].append((step, evaluate(rt, model, val_loader, len(val_set))))
             shown["val_loss"] = f"{history['val'][-1][1]:.3f}"
             clock = time.perf_counter()  # evaluation is not training time
+        if ckpt is not None and (step % args.checkpoint_every == 0 or step == args.max_steps):
+            if step == args.max_steps:
+                ckpt.wait()  # the last step's checkpoint is never skipped for a busy writer
+            ckpt.save(step, epoch=epoch, **objects)
         bar.set_postfix(shown, refresh=False)
         bar.update()
         if step == args.max_steps:
             break
     bar.close()
+    if ckpt is not None:
+        ckpt.wait()  # the last checkpoint is on disk before the run reports
     return {
         "history": history, "train_time": train_time, "tokens_per_step": tokens_per_step,
+        "first_step": first, "steps_run": args.max_steps - first + 1,
         "model": rt.unwrap(model), "vocab": vocab,
         "grad_bytes_per_step": comm.counter.bytes_per_step() if comm is not None else 0.0,
     }
@@ -174,7 +202,7 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
 def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: float) -> None:
     """Rank 0: print the summary, write metrics.json and loss.png, show a sample."""
     history = result["history"]
-    tokens = args.max_steps * result["tokens_per_step"]
+    tokens = result["steps_run"] * result["tokens_per_step"]  # this run's (a resumed run starts later)
     metrics = {
         "world_size": rt.world_size,
         "device": str(rt.device),
@@ -185,6 +213,7 @@ def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: f
         "train_time_s": round(result["train_time"], 2),
         "wall_time_s": round(wall, 2),
         "tokens_per_s": round(tokens / result["train_time"], 1),
+        "resumed_at_step": result["first_step"] - 1 if result["first_step"] > 1 else None,
         "grad_reduce": args.grad_reduce,
         "grad_bytes_per_step": result["grad_bytes_per_step"],
         "first_step_train_loss": history["train"][0][1],
@@ -200,7 +229,7 @@ def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: f
     plot_losses(history, args.out_dir / "loss.png", rt.world_size)
     print(
         f"\nworld size {rt.world_size} on {rt.device} | {metrics['parameters']:,} parameters | "
-        f"{args.max_steps} steps, {tokens:,} tokens in {result['train_time']:.1f}s of training "
+        f"{result['steps_run']} steps, {tokens:,} tokens in {result['train_time']:.1f}s of training "
         f"({metrics['tokens_per_s']:,.0f} tokens/s), {wall:.1f}s in all\n"
         f"train loss {metrics['first_step_train_loss']:.3f} -> {metrics['final_train_loss']:.3f} | "
         f"validation loss {metrics['initial_val_loss']:.3f} -> {metrics['final_val_loss']:.3f}\n"

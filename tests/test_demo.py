@@ -106,3 +106,46 @@ def test_corpus_split_is_deterministic_and_errors_name_the_directory(tmp_path, m
     (tmp_path / "only.py").write_text("pass\n")
     with pytest.raises(RuntimeError, match=rf"{tmp_path} holds 1 .py files, the demo needs at least 10"):
         load_corpus(root=tmp_path)
+
+
+def test_demo_resumes_from_its_checkpoint_bitwise(tmp_path, monkeypatch, capsys):
+    """A run resumed from the demo's step-10 checkpoint ends with the uninterrupted run's state."""
+    import shutil
+
+    from lockstep.checkpoint.io import read_verified
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_gpt
+
+    def run(name: str) -> None:
+        train_gpt.main([*TINY, *CPU, "--batch-size", "8", "--sample-chars", "0", "--out-dir",
+                        str(tmp_path / name), "--checkpoint-dir", str(tmp_path / name / "ckpt"),
+                        "--checkpoint-every", "10"])
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run("whole")
+        (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
+        shutil.copytree(tmp_path / "whole" / "ckpt" / "step_000000000010",
+                        tmp_path / "resumed" / "ckpt" / "step_000000000010")
+        run("resumed")
+    finally:
+        torch.set_num_threads(threads)
+    assert "resumed from" in capsys.readouterr().out
+    assert json.loads((tmp_path / "resumed" / "metrics.json").read_text())["resumed_at_step"] == 10
+    whole, resumed = (tmp_path / name / "ckpt" / "step_000000000020" for name in ("whole", "resumed"))
+    names = sorted(p.name for p in whole.iterdir())
+    assert names == sorted(p.name for p in resumed.iterdir()) and "state.pt" in names
+
+    def equal(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return a == b
+
+    for name in names:
+        assert equal(read_verified(whole / name), read_verified(resumed / name)), name
