@@ -26,7 +26,7 @@ On one machine every port lockstep opens listens on 127.0.0.1 only."""
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `lockstep --help` does not pay for torch.distributed.elastic.
-    from lockstep.launcher.plan import plan_from_args
+    from lockstep.launcher.launch_plan import plan_from_args
     from lockstep.launcher.run import launch
 
     try:

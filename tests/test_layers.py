@@ -220,7 +220,8 @@ def test_docs_mirror_the_layer_table():
 
 # Modules kept only so that users' old imports keep working; lockstep itself imports their homes.
 SHIMS = {"lockstep.multiproc", "lockstep.launcher.config", "lockstep.ddp.timing",
-         "lockstep.ddp.comm_hooks", "lockstep.doctor.env", "lockstep.doctor.arrivals"}
+         "lockstep.ddp.comm_hooks", "lockstep.doctor.env", "lockstep.doctor.arrivals",
+         "lockstep.launcher.plan", "lockstep.launcher.meeting"}
 
 
 def test_lockstep_imports_no_compatibility_shim():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.launcher.meeting import Meeting, Member, RoundView, Visitor, rank_ranges
+from lockstep.launcher.rendezvous_report import Meeting, Member, RoundView, Visitor, rank_ranges
 
 SCRIPT = Path(__file__).parent / "scripts" / "launcher" / "machines.py"
 RUN_TIMEOUT_S = 150  # a launch that takes longer is a hang, not slowness

@@ -28,7 +28,7 @@ import lockstep
 from lockstep.checkpoint import Checkpointer, CheckpointError
 from lockstep.cli import main as cli_main
 from lockstep.launcher import errors
-from lockstep.launcher.plan import LaunchPlan
+from lockstep.launcher.launch_plan import LaunchPlan
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RUN_TIMEOUT_S = 180

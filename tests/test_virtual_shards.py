@@ -314,7 +314,7 @@ def test_same_run_at_worlds_1_2_4_and_across_resume(tmp_path):
 
 def _plan(tmp_path: Path, *flags: str) -> Any:
     from lockstep.cli import build_parser
-    from lockstep.launcher.plan import plan_from_args
+    from lockstep.launcher.launch_plan import plan_from_args
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

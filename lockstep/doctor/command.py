@@ -46,7 +46,7 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
     from lockstep.launcher.flags import add_run_arguments
-    from lockstep.launcher.plan import plan_from_args
+    from lockstep.launcher.launch_plan import plan_from_args
     from lockstep.launcher.run import launch, scoped_environ
 
     folder.mkdir(parents=True, exist_ok=True)

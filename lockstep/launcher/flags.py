@@ -1,7 +1,7 @@
 """``lockstep run``'s command-line flags: torchrun's, in both spellings, with their defaults.
 
 Only the parser lives here; what the values mean and whether they can work is
-:mod:`~lockstep.launcher.plan`'s business.
+:mod:`~lockstep.launcher.launch_plan`'s business.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from lockstep.launcher.meeting import Meeting, Member, RoundView, Visitor, say_on_stderr
+from lockstep.launcher.rendezvous_report import Meeting, Member, RoundView, Visitor, say_on_stderr
 from lockstep.launcher.stores import (
     LOOPBACK_HOST,
     endpoint_store,

@@ -28,8 +28,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.launcher.api import elastic_launch
 
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
+from lockstep.launcher.launch_plan import LaunchPlan, to_launch_config
 from lockstep.launcher.output import OutputRelay
-from lockstep.launcher.plan import LaunchPlan, to_launch_config
 from lockstep.launcher.rendezvous import register_backends
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 

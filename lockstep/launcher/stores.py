@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from lockstep.launcher.meeting import Meeting
+from lockstep.launcher.rendezvous_report import Meeting
 
 __all__ = [
     "LOOPBACK_HOST",

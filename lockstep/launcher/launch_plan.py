@@ -1,0 +1,305 @@
+"""A launch plan: ``lockstep run``'s arguments, validated, and the elastic config made from it.
+
+Everything here is pure logic (no process is started), so every argument error is tested
+without a launch. An argument that cannot work raises ``ValueError`` naming the flag, the
+value and what to do instead; a :class:`LaunchPlan` built by hand is checked the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.launcher.api import LaunchConfig
+
+from lockstep.launcher.rendezvous import (
+    C10D_BACKEND,
+    LOOPBACK_BACKEND,
+    LOOPBACK_HOST,
+    is_loopback_host,
+)
+from lockstep.launcher.worker_env import loopback_gloo, omp_threads
+from lockstep.virtual_world import virtual_shards_env
+
+__all__ = [
+    "DEFAULT_RDZV_PORT",
+    "LaunchPlan",
+    "auto_nproc",
+    "parse_endpoint",
+    "parse_nnodes",
+    "plan_from_args",
+    "to_launch_config",
+]
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's default for the c10d rendezvous
+_CPU_WORKERS_AUTO = 2  # `--nproc-per-node auto` without GPUs: enough to exercise data parallelism
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A validated launch: what to start, where, and how it meets the other nodes."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    node_rank: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    run_id: str
+    max_restarts: int
+    monitor_interval: float
+    entrypoint: str
+    args: tuple[str, ...]
+    worker_env: dict[str, str] = field(default_factory=dict)
+    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    log_dir: str | None = None
+    local_ranks_filter: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a plan that cannot work, however it was built (flags or by hand)."""
+        counts = {"nproc_per_node": self.nproc_per_node, "min_nodes": self.min_nodes,
+                  "max_nodes": self.max_nodes, "node_rank": self.node_rank,
+                  "max_restarts": self.max_restarts}  # fmt: skip
+        for name, value in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"LaunchPlan.{name} must be an int, got {value!r}")
+        if self.nproc_per_node < 1:
+            raise ValueError(
+                f"--nproc-per-node {self.nproc_per_node}: a machine needs at least 1 worker"
+            )
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX"
+            )
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is outside [0, {self.max_nodes}) for "
+                f"--nnodes {self.max_nodes}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts}: must be 0 or more")
+        if not self.monitor_interval > 0:
+            raise ValueError(f"--monitor-interval {self.monitor_interval}: must be positive")
+        if not self.entrypoint or not self.rdzv_endpoint or not self.rdzv_backend:
+            raise ValueError("a launch plan needs an entrypoint, a rendezvous backend and endpoint")
+        outside = sorted(set(self.local_ranks_filter or ()) - set(range(self.nproc_per_node)))
+        if outside:
+            raise ValueError(
+                f"--local-ranks-filter {','.join(map(str, sorted(self.local_ranks_filter or ())))}"
+                f": local rank(s) {outside} are not in this job, whose local ranks are "
+                f"0-{self.nproc_per_node - 1} (--nproc-per-node {self.nproc_per_node}); "
+                "pick among those, or drop the flag to see every worker"
+            )
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4)."""
+    parts = value.split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(f"--nnodes {value!r} is not N or MIN:MAX, e.g. --nnodes 2") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--nnodes {value!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:
+    """``"host:port"`` or ``"[::1]:port"`` (port optional) -> (host, port)."""
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            host = ""
+        port_text = rest[1:] if rest else ""
+    else:
+        host, sep, port_text = text.rpartition(":") if ":" in text else (text, "", "")
+        if sep and not port_text:
+            port_text = "(empty)"
+    problem = None
+    if not host or any(c.isspace() for c in host) or ":" in host and not text.startswith("["):
+        problem = "has no valid host"
+    elif port_text and not port_text.isdigit():
+        problem = f"has a port {port_text!r} that is not a number"
+    elif port_text and not 0 <= int(port_text) <= 65535:
+        problem = f"has a port {port_text} outside 0-65535"
+    if problem:
+        raise ValueError(
+            f"--rdzv-endpoint {endpoint!r} {problem}: write HOST:PORT, e.g. 10.0.0.1:29400"
+        )
+    return host, int(port_text) if port_text else default_port
+
+
+def auto_nproc() -> int:
+    """One worker per GPU, or two CPU workers on a machine without GPUs."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count()
+    return _CPU_WORKERS_AUTO
+
+
+def _parse_nproc(value: str) -> int:
+    if value in ("auto", "gpu", "cpu"):
+        return auto_nproc() if value != "cpu" else _CPU_WORKERS_AUTO
+    try:
+        nproc = int(value)
+    except ValueError:
+        raise ValueError(f"--nproc-per-node {value!r} is not a number or 'auto'") from None
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node {nproc}: a machine needs at least 1 worker")
+    return nproc
+
+
+def _rdzv_configs(text: str) -> dict[str, str]:
+    configs = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf {text!r}: {item!r} is not KEY=VALUE")
+        configs[key.strip()] = value.strip()
+    return configs
+
+
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"--local-ranks-filter {text!r} is not a list like 0,1") from None
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module or args.no_python or os.path.isfile(script):
+        return
+    where = os.path.abspath(script)
+    hint = " (it is a folder)" if os.path.isdir(script) else ""
+    raise ValueError(f"training script {script!r} does not exist{hint}: looked for {where}")
+
+
+def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, dict]:
+    """(backend, endpoint, run id, configs) for the launch."""
+    configs = _rdzv_configs(args.rdzv_conf)
+    if args.rdzv_backend == "static":
+        port = args.master_port if args.master_port is not None else 29500
+        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{port}"
+        host, port = parse_endpoint(endpoint, default_port=29500)
+        configs["rank"] = args.node_rank
+        return "static", f"{host}:{port}", args.rdzv_id, configs
+    if not args.rdzv_endpoint or args.standalone:
+        if max_nodes > 1 and args.standalone:
+            raise ValueError(
+                f"--standalone runs on one machine but --nnodes {args.nnodes} asks for "
+                f"{max_nodes}: drop --standalone (and give --rdzv-endpoint HOST:PORT) "
+                "or drop --nnodes"
+            )
+        if max_nodes > 1:
+            raise ValueError(
+                f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every "
+                "machine of the job can reach (the first machine's)"
+            )
+        # One machine: a fresh job id and a free port, nothing reachable from outside.
+        return LOOPBACK_BACKEND, f"{LOOPBACK_HOST}:0", uuid.uuid4().hex, configs
+    host, port = parse_endpoint(args.rdzv_endpoint)
+    if port == 0 and max_nodes > 1:
+        raise ValueError(
+            f"--rdzv-endpoint {args.rdzv_endpoint!r}: port 0 cannot be shared between machines; "
+            "give a fixed port, e.g. 29400"
+        )
+    backend = LOOPBACK_BACKEND if is_loopback_host(host) else C10D_BACKEND
+    return backend, f"{host}:{port}", args.rdzv_id, configs
+
+
+def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, tuple[str, ...]]:
+    """The program each worker runs, and its arguments."""
+    if args.no_python:
+        return args.training_script, tuple(args.training_script_args)
+    # -u: workers' lines reach the console as they are printed, not when a buffer fills.
+    python = environ.get("PYTHON_EXEC", sys.executable)
+    cmd = ["-u", "-m", "lockstep.launcher.worker"] + (["-m"] if args.module else [])
+    return python, (*cmd, args.training_script, *args.training_script_args)
+
+
+def plan_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> LaunchPlan:
+    """Validate parsed ``lockstep run`` arguments into a :class:`LaunchPlan`.
+
+    Raises:
+        ValueError: an argument that cannot work, named with what to do instead.
+    """
+    environ = os.environ if environ is None else environ
+    nproc = _parse_nproc(str(args.nproc_per_node))
+    min_nodes, max_nodes = parse_nnodes(str(args.nnodes))
+    if not 0 <= args.node_rank < max_nodes:
+        raise ValueError(
+            f"--node-rank {args.node_rank} is outside [0, {max_nodes}) for --nnodes {args.nnodes}"
+        )
+    _check_script(args)
+    backend, endpoint, run_id, configs = _rendezvous(args, max_nodes)
+    local_addr = args.local_addr
+    if local_addr is None and backend == LOOPBACK_BACKEND:
+        local_addr = LOOPBACK_HOST  # workers of a loopback job meet on loopback too
+    worker_env = omp_threads(nproc, environ)
+    if getattr(args, "virtual_shards", None) is not None:
+        worker_env.update(virtual_shards_env(args.virtual_shards, nproc, min_nodes, max_nodes))
+    if backend == LOOPBACK_BACKEND:
+        worker_env.update(loopback_gloo(environ))
+    entrypoint, cmd = _command(args, environ)
+    return LaunchPlan(
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=args.node_rank,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        run_id=run_id,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        entrypoint=entrypoint,
+        args=cmd,
+        worker_env=worker_env,
+        rdzv_configs=configs,
+        local_addr=local_addr,
+        log_dir=args.log_dir,
+        local_ranks_filter=_ranks_filter(args.local_ranks_filter),
+    )
+
+
+def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
+    """The elastic ``LaunchConfig`` for ``plan``, logging every worker under ``log_dir``.
+
+    Workers write to files only: :class:`~lockstep.launcher.output.OutputRelay` copies them
+    to the console with rank prefixes, and the root-cause report reads a failed worker's last
+    lines there.
+    """
+    logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)
+    configs: dict = dict(plan.rdzv_configs)
+    if plan.rdzv_backend in (LOOPBACK_BACKEND, C10D_BACKEND) and plan.max_nodes > 1:
+        # lockstep's rendezvous then says what it waits for and who joined or left
+        # (lockstep.launcher.rendezvous_report); a single machine has nobody to wait for.
+        configs.update(lockstep_nproc=plan.nproc_per_node, lockstep_log_dir=log_dir,
+                       lockstep_max_restarts=plan.max_restarts)
+    return LaunchConfig(
+        min_nodes=plan.min_nodes,
+        max_nodes=plan.max_nodes,
+        nproc_per_node=plan.nproc_per_node,
+        logs_specs=logs,
+        run_id=plan.run_id,
+        role="default",  # torchrun's ROLE_NAME
+        rdzv_endpoint=plan.rdzv_endpoint,
+        rdzv_backend=plan.rdzv_backend,
+        rdzv_configs=configs,
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
+        local_addr=plan.local_addr,
+    )
