@@ -3,14 +3,14 @@
 The backend's own error ("Timed out waiting 600000ms for recv", "Connection closed by peer")
 names no rank. lockstep's collectives wait through :func:`wait` or :func:`run`: when the
 backend gives up, the waiting rank reads every peer's progress record (see
-:mod:`lockstep.progress`), watches their heartbeats for a moment, and raises
+:mod:`lockstep.diagnose.progress`), watches their heartbeats for a moment, and raises
 :class:`CollectiveTimeoutError` naming the ranks that did not arrive: alive but stuck (with
 step, phase and last collective), gone (no heartbeat: died, or its machine was lost), or exited
 (left the loop early). Nothing extra runs while collectives succeed.
 
 The waiting rank also leaves a small JSON "blame" file beside torch elastic's error file, so
 ``lockstep run`` reports the rank that stopped as the root cause, not the ones that waited
-(the peer watch and the blame file are :mod:`lockstep.blame`'s, re-exported here).
+(the peer watch and the blame file are :mod:`lockstep.diagnose.blame`'s, re-exported here).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# The peer watch and the blame file live in lockstep.blame (the abort guard uses them too);
+# The peer watch and the blame file live in lockstep.diagnose.blame (the abort guard uses them too);
 # they are re-exported here, where they were first written.
-from lockstep.blame import BLAME_FILE, observe_peers, read_blame, write_blame
-from lockstep.progress import GroupProgress, tracker
-from lockstep.stackdump import request_stack
+from lockstep.diagnose.blame import BLAME_FILE, observe_peers, read_blame, write_blame
+from lockstep.diagnose.progress import GroupProgress, tracker
+from lockstep.diagnose.stackdump import request_stack
 
 __all__ = [
     "BLAME_FILE",
@@ -163,7 +163,7 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
 
 
 def _stacks_of(culprits: list[Culprit]) -> str:
-    """The Python stack of each stuck culprit on this host (see :mod:`lockstep.stackdump`)."""
+    """The Python stack of each stuck culprit on this host (see :mod:`lockstep.diagnose.stackdump`)."""
     host, parts = socket.gethostname(), []
     for c in culprits:
         pid = c.record.get("pid")

@@ -6,13 +6,13 @@ buffer waiting for it, gloo's transport thread throws ``EnforceNotMet`` ("Receiv
 doesn't match expected size") where nothing catches it, and the process dies of SIGABRT. Often
 the rank that dies is the victim, and the launcher named it as the root cause.
 
-The counts of collectives every rank publishes (:mod:`lockstep.progress`) tell who is behind,
+The counts of collectives every rank publishes (:mod:`lockstep.diagnose.progress`) tell who is behind,
 but only once they are fresh: they are published about once a second, and the abort comes
 within milliseconds. So :class:`AbortGuard` catches SIGABRT (a C handler installed through
 ctypes: Python's own ``signal`` handlers run only between bytecodes of the main thread, which
 never comes), publishes this rank's record, watches its peers' next heartbeats (they are alive,
 blocked in the collective, and publish their live counts), and when their counts on a group
-differ names the odd rank, leaves the blame file the launcher reads (:mod:`lockstep.blame`),
+differ names the odd rank, leaves the blame file the launcher reads (:mod:`lockstep.diagnose.blame`),
 prints the error and exits with status 1. An abort with no such evidence is left alone: the
 handler returns and ``abort()`` ends the process as before.
 
@@ -34,13 +34,13 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from lockstep.blame import observe_peers, write_blame
+from lockstep.diagnose.blame import observe_peers, write_blame
 
 __all__ = ["AbortGuard", "CollectiveMismatchAbort", "odd_counts"]
 
 logger = logging.getLogger(__name__)
 
-# Reading the peers takes a few heartbeats (lockstep.blame.observe_peers); past this, give up.
+# Reading the peers takes a few heartbeats (lockstep.diagnose.blame.observe_peers); past this, give up.
 _VERDICT_DEADLINE_S = 30.0
 
 
@@ -94,7 +94,7 @@ class AbortGuard:
     """SIGABRT handler of one process: names the rank that skipped a collective, exits 1.
 
     Args:
-        tracker: this process's :class:`lockstep.progress.ProgressTracker`.
+        tracker: this process's :class:`lockstep.diagnose.progress.ProgressTracker`.
     """
 
     def __init__(self, tracker: Any) -> None:

@@ -6,7 +6,7 @@ rank only updates a few attributes of its :class:`ProgressTracker` (the DDP step
 one counter per process group); a daemon thread writes that record to the job's rendezvous
 store about once a second (``LOCKSTEP_PROGRESS_INTERVAL``), through its own connection, with a
 beat counter that tells the living from the gone. A clean exit publishes a last record marked
-``exited``. :mod:`lockstep.hang` reads these records when a wait fails.
+``exited``. :mod:`lockstep.diagnose.hang` reads these records when a wait fails.
 
 One tracker per process group of the job (the default group): the record is a fact about this
 process, shared by every collective it issues, so it hangs off the group it describes and dies
@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep import _torch_compat
-from lockstep.stackdump import StackDump
+from lockstep.diagnose.stackdump import StackDump
 
 __all__ = [
     "INTERVAL_ENV_VAR",
@@ -55,7 +55,10 @@ _TRACKERS_LOCK = threading.Lock()
 
 
 def default_store() -> Any:
-    """The default group's rendezvous store, or None (no group, or torch keeps it elsewhere)."""
+    """The default group's rendezvous store, or None (no group, or torch keeps it elsewhere).
+
+    lockstep's one way to the store (progress records, the watchdog, the checkpoint meeting).
+    """
     if not dist.is_initialized():
         return None
     # torch keeps this store privately; it is the one place every rank can read without
@@ -133,10 +136,10 @@ class ProgressTracker:
             target=self._run, name=f"lockstep-progress-{rank}", daemon=True
         )
         self._thread.start()
-        # SIGUSR1 dumps this rank's Python stack, for a peer that names it stuck (lockstep.hang)
+        # SIGUSR1 dumps this rank's Python stack, for a peer that names it stuck (lockstep.diagnose.hang)
         self._stack = StackDump.install()
         # SIGABRT from gloo (a collective mismatch) names the rank that skipped one, exits 1
-        from lockstep.abort_guard import AbortGuard  # late: abort_guard reads these records
+        from lockstep.diagnose.abort_guard import AbortGuard  # late: abort_guard reads these records
 
         self._abort_guard = AbortGuard.install(self)
         atexit.register(self.close)
@@ -175,7 +178,7 @@ class ProgressTracker:
         }
 
     def publish_now(self) -> None:
-        """Publish this rank's record at once (a dying rank's last word; see lockstep.abort_guard)."""
+        """Publish this rank's record at once (a dying rank's last word; see lockstep.diagnose.abort_guard)."""
         self._publish()
 
     def _publish(self) -> None:

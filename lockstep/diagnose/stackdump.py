@@ -1,6 +1,6 @@
 """A stuck rank's Python stack, on request: each rank installs a dump on ``SIGUSR1``.
 
-When a rank names a peer that is alive but stuck (:mod:`lockstep.hang`), it sends that peer
+When a rank names a peer that is alive but stuck (:mod:`lockstep.diagnose.hang`), it sends that peer
 ``SIGUSR1`` (same host only: a signal needs the pid on this machine). The peer's
 :mod:`faulthandler` writes every thread's Python stack to a file named after its pid, which the
 naming rank reads and puts next to the peer's name. faulthandler writes from the signal handler

@@ -19,56 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.collective_checks import (
+from lockstep.diagnose.collective_checks import (
     CollectiveMismatchError,
     debug_collectives_enabled,
     describe_mismatch,
     odd_ranks,
     signature,
 )
-from lockstep.hang import CollectiveTimeoutError, write_blame
-from lockstep.progress import GroupProgress, default_store, tracker
+from lockstep.diagnose.hang import CollectiveTimeoutError, write_blame
+from lockstep.diagnose.progress import GroupProgress, default_store
 
-__all__ = ["CollectiveTimeoutError", "CollectiveWatchdog", "wait_for_peers"]
+__all__ = ["CollectiveTimeoutError", "CollectiveWatchdog"]
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "lockstep/watchdog"
-
-
-def wait_for_peers(
-    key: str, timeout: timedelta, group: Any = None, *, what: str | None = None
-) -> list[int]:
-    """Mark this rank as arrived at ``key`` and wait for the other ranks of ``group``.
-
-    A rendezvous through the store, not a collective: if a rank never comes, nothing is left
-    pending in the process group, and the caller learns who is missing.
-
-    Args:
-        key: names this meeting; the same on every rank.
-        timeout: how long to wait for the others.
-        group: whose ranks must come (``None``: the default group).
-        what: this rank's phase while it waits (e.g. ``"Checkpointer.save"``), for peers'
-            error messages.
-
-    Returns:
-        The global ranks that did not arrive within ``timeout`` (empty when all did, and when
-        the store cannot be reached, in which case nothing is checked).
-    """
-    store = default_store()
-    if store is None:
-        return []
-    found = tracker()
-    if found is not None and what:
-        found.set_phase(what)  # peers that wait for this rank elsewhere see where it is
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    keys = {rank: f"{_PREFIX}/peers/{key}/{rank}" for rank in ranks}
-    store.set(keys[dist.get_rank()], "1")
-    try:
-        store.wait(list(keys.values()), timeout)
-        return []
-    except Exception:  # noqa: BLE001 - the store raises its own timeout error
-        return [rank for rank, k in keys.items() if not store.check([k])]
 
 
 class CollectiveWatchdog:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep import hang
-from lockstep.progress import GroupProgress
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import GroupProgress
 
 __all__ = [
     "DEBUG_ENV_VAR",

@@ -1,10 +1,10 @@
 """What a rank can tell of its peers when a wait fails, and the verdict it leaves the launcher.
 
-:func:`observe_peers` watches the peers' progress records (:mod:`lockstep.progress`) for a few
+:func:`observe_peers` watches the peers' progress records (:mod:`lockstep.diagnose.progress`) for a few
 heartbeats and says whether each is alive but stuck, exited, or gone; :func:`write_blame`
 leaves the verdict beside torch elastic's error file, where ``lockstep run`` reads it
 (:func:`read_blame`) to report the rank that stopped as the root cause. Both
-:mod:`lockstep.hang` (a collective that times out) and :mod:`lockstep.abort_guard` (a rank
+:mod:`lockstep.diagnose.hang` (a collective that times out) and :mod:`lockstep.diagnose.abort_guard` (a rank
 that gloo aborts) use them; this module imports neither, nor the tracker, so the tracker can
 install the abort guard without an import circle (issue #27).
 """
@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lockstep.progress import ProgressTracker
+    from lockstep.diagnose.progress import ProgressTracker
 
 __all__ = ["BLAME_FILE", "observe_peers", "read_blame", "write_blame"]
 
