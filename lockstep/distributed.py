@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lockstep import progress
+from lockstep.diagnose import progress
 from lockstep.env import ProcessInfo, default_backend, detect_process_info, loopback_interface
 from lockstep.teardown import quiesce
 
@@ -162,7 +162,7 @@ def init_distributed(
             timeout=timeout,
         )
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
-    progress.tracker()  # publish this rank's progress from now on (see lockstep.hang)
+    progress.tracker()  # publish this rank's progress from now on (see lockstep.diagnose.hang)
     return replace(info, device=dev, backend=backend)
 
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from lockstep import hang
 from lockstep._torch_compat import BatchNormBase
-from lockstep.progress import group_progress
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 
 __all__ = ["SyncBatchNorm"]
 

@@ -1,4 +1,4 @@
-"""Tests of lockstep.abort_guard: the verdict a rank that gloo aborted leaves, from the counts.
+"""Tests of lockstep.diagnose.abort_guard: the verdict a rank that gloo aborted leaves, from the counts.
 
 Pure logic on recorded progress records (the multi-process case, a rank skipping a DDP backward
 under ``lockstep run``, is in tests/test_hangs.py: the root cause must be the rank that skipped,
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lockstep.abort_guard import AbortGuard, odd_counts
-from lockstep.hang import BLAME_FILE
+from lockstep.diagnose.abort_guard import AbortGuard, odd_counts
+from lockstep.diagnose.hang import BLAME_FILE
 
 
 def test_odd_counts_names_the_rank_off_the_majority_or_behind():

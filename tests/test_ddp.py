@@ -380,7 +380,7 @@ def test_equivalence_world3():
 
 
 def _debug_mode_checks_every_bucket(rank: int) -> tuple[int, int, float]:
-    from lockstep import collective_checks
+    from lockstep.diagnose import collective_checks
 
     lockstep.init_distributed()
     calls = []

@@ -1,4 +1,4 @@
-"""A rank that stops is named by the ranks that wait for it (lockstep.progress, lockstep.hang).
+"""A rank that stops is named by the ranks that wait for it (lockstep.diagnose.progress, lockstep.diagnose.hang).
 
 Tiers: the blame verdicts turned into a root cause, as pure logic; worlds of 2 and 3 on gloo in
 which one rank sleeps before backward, leaves the loop early, or stops inside ``join()`` or
@@ -6,7 +6,7 @@ before a ``Checkpointer`` meeting, where every waiting rank must name it (and wh
 doing) shortly after the process group's timeout; jobs under ``lockstep run`` whose root cause
 must be the rank that stopped, not the ones that waited nor the one the launcher ended, and a
 job in which one rank skipped a collective and gloo aborted a peer, whose root cause must be the
-rank that skipped (lockstep.abort_guard).
+rank that skipped (lockstep.diagnose.abort_guard).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from torch.distributed.elastic.multiprocessing.errors import (
 
 import lockstep
 from lockstep.checkpoint import CheckpointError
-from lockstep.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
+from lockstep.diagnose.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
+from lockstep.diagnose.progress import INTERVAL_ENV_VAR, publish_interval
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
-from lockstep.progress import INTERVAL_ENV_VAR, publish_interval
 
 TIMEOUT_S = 5.0  # short, yet long enough for a loaded machine to start a step
 # Generous: the CPU is shared. Still far below the 10-minute default the naming replaces.

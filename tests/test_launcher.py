@@ -313,12 +313,12 @@ def test_trim_traceback_keeps_the_users_frames():
 def test_trim_traceback_shows_a_named_collective_error_without_the_backends_story():
     text = (
         "Traceback (most recent call last):\n"
-        '  File "/site/lockstep/hang.py", line 115, in wait\n    return future.wait()\n'
+        '  File "/site/lockstep/diagnose/hang.py", line 115, in wait\n    return future.wait()\n'
         "RuntimeError: Read error: Connection reset by peer. GLHF!\n\n"
         "The above exception was the direct cause of the following exception:\n\n"
         "Traceback (most recent call last):\n"
         '  File "train.py", line 9, in <module>\n    loss.backward()\n'
-        "lockstep.hang.CollectiveTimeoutError: rank 0: ... rank 1 on host-b is gone"
+        "lockstep.diagnose.hang.CollectiveTimeoutError: rank 0: ... rank 1 on host-b is gone"
     )
     trimmed = errors.trim_traceback(text)
     assert "GLHF" not in trimmed and trimmed.startswith("Traceback (most recent call last):")

@@ -21,12 +21,13 @@ PACKAGE = ROOT / "lockstep"
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", [
         "lockstep._torch_compat", "lockstep._torch_compat_compile", "lockstep.env", "lockstep.tensors",
-        "lockstep.lazy", "lockstep.teardown", "lockstep.stackdump", "lockstep.virtual_world",
-        "lockstep.profilers",
+        "lockstep.lazy", "lockstep.teardown", "lockstep.virtual_world", "lockstep.profilers",
     ]),
-    ("hang records", [
+    ("diagnose", [
+        "lockstep.diagnose",
+        # shims of the modules now in lockstep.diagnose, at the layer of what they re-export
         "lockstep.progress", "lockstep.blame", "lockstep.hang", "lockstep.abort_guard",
-        "lockstep.collective_checks", "lockstep.watchdog",
+        "lockstep.collective_checks", "lockstep.watchdog", "lockstep.stackdump",
     ]),
     ("collectives", [
         "lockstep.distributed", "lockstep.launcher.spawn", "lockstep.launcher.payload",
@@ -221,7 +222,10 @@ def test_docs_mirror_the_layer_table():
 # Modules kept only so that users' old imports keep working; lockstep itself imports their homes.
 SHIMS = {"lockstep.multiproc", "lockstep.launcher.config", "lockstep.ddp.timing",
          "lockstep.ddp.comm_hooks", "lockstep.doctor.env", "lockstep.doctor.arrivals",
-         "lockstep.launcher.plan", "lockstep.launcher.meeting"}
+         "lockstep.launcher.plan", "lockstep.launcher.meeting",
+         # hang detection, now in lockstep.diagnose
+         "lockstep.progress", "lockstep.hang", "lockstep.watchdog", "lockstep.collective_checks",
+         "lockstep.blame", "lockstep.stackdump", "lockstep.abort_guard"}
 
 
 def test_lockstep_imports_no_compatibility_shim():

@@ -64,7 +64,7 @@ def test_import_is_cheap_and_submodules_load_on_access():
         "import sys, lockstep\n"
         "assert 'torch' not in sys.modules, 'import lockstep imported torch'\n"
         "lockstep.helper.ShardedLoader, lockstep.comm.uncompressed_hook\n"
-        "lockstep.collective_checks.debug_collectives_enabled\n"
+        "lockstep.diagnose.collective_checks.debug_collectives_enabled\n"
         "from lockstep.zero import ZeroRedundancyOptimizer\n"
         "import lockstep.launcher.worker\n"
         "assert 'lockstep.launcher.run' not in sys.modules, 'a worker loaded the launcher'\n"

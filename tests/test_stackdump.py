@@ -1,4 +1,4 @@
-"""A stuck rank's Python stack next to its name (lockstep.stackdump, used by lockstep.hang).
+"""A stuck rank's Python stack next to its name (lockstep.diagnose.stackdump, used by lockstep.diagnose.hang).
 
 Worlds of 2 on gloo: rank 1 stops at step 3, spinning in a Python loop or blocked inside a
 collective nobody else joins; rank 0's DDP all-reduce times out, names rank 1, and its error
@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
-from lockstep.hang import CollectiveTimeoutError
-from lockstep.progress import INTERVAL_ENV_VAR
-from lockstep.stackdump import StackDump, request_stack, stack_file
+from lockstep.diagnose.hang import CollectiveTimeoutError
+from lockstep.diagnose.progress import INTERVAL_ENV_VAR
+from lockstep.diagnose.stackdump import StackDump, request_stack, stack_file
 
 TIMEOUT_S = 5.0
 

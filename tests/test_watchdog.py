@@ -1,4 +1,4 @@
-"""Hang detection and the collective debug mode (lockstep.watchdog, lockstep.collective_checks).
+"""Hang detection and the collective debug mode (lockstep.diagnose.watchdog, lockstep.diagnose.collective_checks).
 
 Tiers: signature comparison as pure logic; one world of 3 on gloo in which ranks disagree on
 collectives (debug mode) and then rank 1 never joins one, twice (debug mode and plain); a job
@@ -20,7 +20,7 @@ import torch
 from helpers import wait_for_files
 
 import lockstep
-from lockstep.collective_checks import (
+from lockstep.diagnose.collective_checks import (
     DEBUG_ENV_VAR,
     CollectiveMismatchError,
     check_collective,
@@ -28,7 +28,7 @@ from lockstep.collective_checks import (
     describe_mismatch,
     signature,
 )
-from lockstep.watchdog import CollectiveTimeoutError, CollectiveWatchdog
+from lockstep.diagnose.watchdog import CollectiveTimeoutError, CollectiveWatchdog
 
 HANG_TIMEOUT_S = 3.0
 

@@ -16,22 +16,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep import _torch_compat, hang
 from lockstep.checkpoint.io import CheckpointError
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import default_store
 
 __all__ = ["check_agreement", "meet"]
 
 _IN_CALL = "lockstep/checkpoint/in-call"  # store key prefix: the directory each rank is in
 _MEETING = "lockstep/checkpoint/meet"  # store key prefix: who arrived at which call
 _POLL_S = 0.2  # at most this long between two looks at the store while waiting
-
-
-def _default_store() -> Any:
-    # torch keeps the default group's store privately; without it only the diagnosis is lost.
-    try:
-        return _torch_compat.default_store()
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def meet(
@@ -43,7 +36,7 @@ def meet(
         CheckpointError: a rank did not come within ``timeout`` (named), or the ranks are in
             different directories (each named with its directory).
     """
-    store = _default_store()
+    store = default_store()
     if store is None:
         return  # no store to meet in: the collectives that follow are the barrier
     # The path as given, not resolved: machines may mount a shared filesystem differently.

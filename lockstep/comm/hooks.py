@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.hang import LocalUsageError
+from lockstep.diagnose.hang import LocalUsageError
 
 __all__ = ["CommHook", "GradBucket", "allreduce_hook", "check_annotations", "completed_future",
            "returns_future"]

@@ -19,14 +19,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lockstep import collective_checks, hang
 from lockstep.comm.hooks import GradBucket
 from lockstep.ddp.bucket import Bucket
 from lockstep.ddp.bucket_layout import BucketLayout
 from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.sparse import SparseGradBucket, empty_sparse_grad, sparse_grad_of
 from lockstep.ddp.streams import note_stream, wait_for_writers
-from lockstep.progress import GroupProgress
+from lockstep.diagnose import collective_checks, hang
+from lockstep.diagnose.progress import GroupProgress
 
 __all__ = ["BucketRound", "ReducerSettings", "launch_zeros"]
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep import hang
 from lockstep.ddp.bucket import Bucket, BucketSpec, assign_buckets, complete_order
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import GroupProgress
 from lockstep.distributed import global_rank
-from lockstep.progress import GroupProgress
 
 __all__ = ["BucketLayout"]
 

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from lockstep import hang
 from lockstep.ddp.replica_sync import broadcast_coalesced
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import GroupProgress
 from lockstep.distributed import global_rank
-from lockstep.progress import GroupProgress
 
 __all__ = ["DDPJoinHook", "JoinableModel", "UnevenInputs"]
 

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep import collective_checks
 from lockstep._torch_compat import queue_callback
 from lockstep.comm.hooks import GradBucket, allreduce_hook
 from lockstep.ddp.backward_end import current_backward_id, hook_outputs
@@ -51,7 +50,8 @@ from lockstep.ddp.reducer_errors import (
     unused,
 )
 from lockstep.ddp.unused import ParameterUsage
-from lockstep.progress import GroupProgress
+from lockstep.diagnose import collective_checks
+from lockstep.diagnose.progress import GroupProgress
 
 __all__ = ["Reducer"]
 

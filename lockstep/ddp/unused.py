@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep import hang
-from lockstep.progress import GroupProgress
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import GroupProgress
 
 __all__ = ["ParameterUsage"]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from lockstep import hang, profilers
+from lockstep import profilers
 from lockstep._torch_compat import preserve_version_counter
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
@@ -37,6 +37,7 @@ from lockstep.ddp.replica_sync import (
     verify_same_parameters,
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
+from lockstep.diagnose import hang
 from lockstep.distributed import global_rank
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to

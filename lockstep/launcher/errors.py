@@ -7,7 +7,7 @@ same second, so the earliest timestamp alone does not tell cause from consequenc
 ranks a death by signal or a genuine exception ahead of those echoes.
 
 Better still is the peers' own word: a worker whose collective failed because a peer never
-arrived leaves a "blame" file naming that peer (:mod:`lockstep.hang`). The rank named there is
+arrived leaves a "blame" file naming that peer (:mod:`lockstep.diagnose.hang`). The rank named there is
 the root cause — whether it hung (and the agent then ended it with SIGTERM), left the loop early
 with exit code 0, or called a different collective — never the rank that waited.
 """
@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ProcessFailure,
 )
 
-from lockstep.hang import read_blame
+from lockstep.diagnose.hang import read_blame
 
 __all__ = [
     "Failure",
@@ -133,7 +133,7 @@ def attempt_evidence(log_dir: str | None) -> tuple[dict[int, dict[str, Any]], bo
     """What this launcher's workers said in their newest attempt, read from its log folder.
 
     Returns the peers they blamed (global rank -> ``host``, ``step``, ``state``, from
-    :mod:`lockstep.hang`'s blame files), and whether any worker left an error file (the
+    :mod:`lockstep.diagnose.hang`'s blame files), and whether any worker left an error file (the
     attempt ended in a failure rather than being stopped for a membership change).
     """
     if not log_dir:

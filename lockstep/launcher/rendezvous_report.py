@@ -279,7 +279,7 @@ class Meeting:
         Args:
             view: the completed round.
             evidence: what this launcher's workers said of peers they lost, by global rank
-                (``lockstep.hang``'s blame records: ``host``, ``step``, ``state``).
+                (``lockstep.diagnose.hang``'s blame records: ``host``, ``step``, ``state``).
             failed: whether this launcher's workers failed in the previous round (a restart
                 that counts against ``--max-restarts``); otherwise the round is new because
                 machines joined, left, or restarted their own workers.

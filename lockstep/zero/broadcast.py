@@ -13,9 +13,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lockstep import hang
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_ranks
-from lockstep.progress import group_progress
 
 __all__ = ["OwnerBucket", "attach_views", "broadcast_buckets", "global_ranks", "make_buckets"]
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lockstep import hang
-from lockstep.progress import group_progress
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.zero.broadcast import OwnerBucket
 
 __all__ = ["grad_bytes", "reduce_to_owners"]
