@@ -28,6 +28,7 @@ __all__ = [
     "BatchNormBase",
     "RendezvousInternals",
     "TorchCompatError",
+    "WorkersStoreOverride",
     "current_graph_task_id",
     "default_store",
     "flatten_dense_tensors",
@@ -163,6 +164,11 @@ def default_store() -> Any:
 
 
 # ---- elastic rendezvous -------------------------------------------------------------------
+# lockstep's rendezvous (lockstep/launcher/rendezvous.py) subclasses torch's public
+# DynamicRendezvousHandler and reads nothing private itself: what it needs of the handler's
+# members is below. Recent torch has the agent host a store for its workers
+# (``_create_tcp_store_server``, cached in ``_shared_tcp_store_server``/``_bootstrap_store_info``);
+# a torch without it keeps nothing across rounds, so forgetting is a no-op there.
 class RendezvousInternals(NamedTuple):
     """What lockstep's rendezvous handler reads of torch's ``DynamicRendezvousHandler``."""
 
@@ -173,7 +179,11 @@ class RendezvousInternals(NamedTuple):
 
 
 def rendezvous_internals(handler: Any) -> RendezvousInternals:
-    """The private members of a ``DynamicRendezvousHandler`` that reports need."""
+    """The private members of a ``DynamicRendezvousHandler`` that reports need.
+
+    ``_store``, ``_settings``, ``_state_holder.state`` (the state as last synced: no store
+    round trip) and ``_this_node``; read afresh by each call.
+    """
     try:
         return RendezvousInternals(handler._store, handler._settings,
                                    handler._state_holder.state, handler._this_node)
@@ -182,11 +192,50 @@ def rendezvous_internals(handler: Any) -> RendezvousInternals:
                        "report who is in a rendezvous", err) from err
 
 
+def _agent_hosts_workers_store() -> bool:
+    """Whether this torch's rendezvous handler hosts its workers' store (and caches it)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    return hasattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+
+
 def forget_shared_store_server(handler: Any) -> None:
-    """Make ``next_rendezvous`` build a fresh TCP store rather than reuse the last round's."""
+    """Make ``next_rendezvous`` build a fresh TCP store rather than reuse the last round's.
+
+    Clears ``_shared_tcp_store_server`` and ``_bootstrap_store_info``. On a torch whose handler
+    hosts no store for its workers (no ``_create_tcp_store_server``) there is nothing to forget.
+    """
+    if not _agent_hosts_workers_store():
+        return
     if not hasattr(handler, "_shared_tcp_store_server"):
         raise _missing("DynamicRendezvousHandler._shared_tcp_store_server",
                        "start each rendezvous round on a fresh store",
                        AttributeError("_shared_tcp_store_server"))
     handler._shared_tcp_store_server = None
     handler._bootstrap_store_info = None
+
+
+class WorkersStoreOverride:
+    """Mixin for a ``DynamicRendezvousHandler`` subclass that hosts its workers' store itself.
+
+    torch's handler makes that store (on rank 0, for the workers' ``init_process_group``) in its
+    private ``_create_tcp_store_server``, listening on every interface; the only way to choose
+    otherwise is to override that private method. The override lives here, so that the
+    subclass defines the public-named :meth:`workers_store_server` instead. Put this class
+    before the torch handler in the subclass's bases. On a torch that hosts no store for its
+    workers, the override is never called (``tests/test_torch_compat.py`` checks it is on the
+    installed torch).
+    """
+
+    def workers_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
+        """The store the workers meet on: a server at ``master_port`` (0: any free port)."""
+        raise NotImplementedError
+
+    def _create_tcp_store_server(self, *args: Any) -> dist.TCPStore:
+        # torch 2.13 passes (master_addr, master_port); an earlier form of torch's code passed
+        # one RendezvousStoreInfo (with master_addr and master_port) instead.
+        if len(args) == 1:
+            info = args[0]
+            return self.workers_store_server(info.master_addr, info.master_port)
+        master_addr, master_port = args
+        return self.workers_store_server(master_addr, master_port)

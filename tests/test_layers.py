@@ -243,12 +243,10 @@ TORCH_PRIVATE_ATTRS = {
     "_execution_engine", "_current_graph_task_id", "_unsafe_preserve_version_counter",
     "_flat_weights_names", "_flat_weights", "_get_default_store", "_state_holder",
     "_shared_tcp_store_server", "_this_node", "_orig_mod", "_flatten_dense_tensors",
-    "_unflatten_dense_tensors", "_version",
+    "_unflatten_dense_tensors", "_version", "_bootstrap_store_info", "_create_tcp_store_server",
 }
 # Modules that still read torch privates directly; each fix removes its entry.
-KNOWN_PRIVATE_USERS = {
-    "lockstep.launcher.rendezvous",  # DynamicRendezvousHandler internals (see rendezvous_internals)
-}
+KNOWN_PRIVATE_USERS: set[str] = set()
 
 
 def _private(name: str) -> bool:
@@ -261,10 +259,45 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def torch_private_uses(source: str) -> list[str]:
-    """The private torch names a module's source uses (imports and attribute reads)."""
+def _torch_imported_names(tree: ast.AST) -> set[str]:
+    return {alias.asname or alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch"
+            for alias in node.names}
+
+
+def _defined_on_self(cls: ast.ClassDef) -> set[str]:
+    """Names a class defines itself: methods, class attributes, ``self.x = ...`` targets."""
+    names = {n.name for n in ast.walk(cls) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {n.id for stmt in cls.body if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+              for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+              and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+              and n.value.id == "self"}
+    return names
+
+
+def _inherited_privates(tree: ast.AST) -> list[str]:
+    """``self._x`` in a class derived from a torch class, where the class never defines ``_x``:
+    the torch base's private member (``self._store`` in a rendezvous handler subclass)."""
+    torch_names = _torch_imported_names(tree)
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef) or not any(
+                (isinstance(b, ast.Name) and b.id in torch_names) or _root(b) in TORCH_ROOTS
+                for b in cls.bases):
+            continue
+        own = _defined_on_self(cls)
+        found += [node.attr for node in ast.walk(cls)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "self" and _private(node.attr) and node.attr not in own]
+    return found
+
+
+def torch_private_uses(source: str) -> list[str]:
+    """The private torch names a module's source uses (imports, attribute reads, overrides)."""
+    tree = ast.parse(source)
+    found = _inherited_privates(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             parts = node.module.split(".") + [a.name for a in node.names]
             found += [f"from {node.module} import ..." for p in parts if _private(p)][:1]
@@ -274,6 +307,8 @@ def torch_private_uses(source: str) -> list[str]:
         elif (isinstance(node, ast.Attribute) and _private(node.attr)
               and (node.attr in TORCH_PRIVATE_ATTRS or _root(node) in TORCH_ROOTS)):
             found.append(node.attr)
+        elif isinstance(node, ast.FunctionDef) and node.name in TORCH_PRIVATE_ATTRS:
+            found.append(node.name)  # overriding a torch private method
     return found
 
 
@@ -303,5 +338,16 @@ def test_the_private_check_catches_torch_privates():
     assert torch_private_uses("torch._C._current_graph_task_id()")
     assert torch_private_uses("Variable._execution_engine.queue_callback(f)")
     assert torch_private_uses("m._flat_weights_names")
+    handler = ("from torch.distributed.elastic.rendezvous.dynamic_rendezvous import "
+               "DynamicRendezvousHandler as H\n"
+               "class R(H):\n"
+               "    _mine: int = 0\n"
+               "    def f(self):\n"
+               "        self._seen = 1\n"
+               "        return self._store, self._mine, self._seen, self._helper()\n"
+               "    def _helper(self):\n"
+               "        pass\n")
+    assert torch_private_uses(handler) == ["_store"]
+    assert torch_private_uses("class L(H):\n    def _create_tcp_store_server(self, a, p): ...")
     assert torch_private_uses("param._version")
     assert not torch_private_uses("self._reducer.clock\ntorch.autograd.grad(x, y)\nx.__class__")

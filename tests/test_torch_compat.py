@@ -119,6 +119,76 @@ def test_rendezvous_internals_on_a_real_handler():
     compat.forget_shared_store_server(handler)
 
 
+def _one_node_handler(cls, run_id: str):
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    store = dist.HashStore()
+    return cls.from_backend(run_id, store, C10dRendezvousBackend(store, run_id),
+                            min_nodes=1, max_nodes=1, local_addr="127.0.0.1")
+
+
+def test_rendezvous_internals_follow_the_rounds():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    handler = _one_node_handler(DynamicRendezvousHandler, "rounds")
+    try:
+        assert not compat.rendezvous_internals(handler).state.complete
+        handler.next_rendezvous()
+        internals = compat.rendezvous_internals(handler)
+        assert internals.state.complete  # read afresh: the round just completed
+        assert list(internals.state.participants) == [internals.this_node]
+        internals.store.set("lockstep/compat", "ok")
+        assert internals.store.get("lockstep/compat") == b"ok"
+    finally:
+        handler.shutdown()
+
+
+def test_forget_shared_store_server_clears_the_cache(monkeypatch):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    handler = _one_node_handler(DynamicRendezvousHandler, "forget")
+    handler._shared_tcp_store_server, handler._bootstrap_store_info = object(), object()
+    compat.forget_shared_store_server(handler)
+    assert handler._shared_tcp_store_server is None and handler._bootstrap_store_info is None
+    # A torch whose handler hosts no store for its workers keeps nothing to forget.
+    monkeypatch.delattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+    compat.forget_shared_store_server(object())
+
+
+def test_workers_store_override_is_what_torch_calls(monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    asked: list[tuple[str, int]] = []
+
+    class Handler(compat.WorkersStoreOverride, DynamicRendezvousHandler):
+        def workers_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
+            asked.append((master_addr, master_port))
+            return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    handler = _one_node_handler(Handler, "override")
+    try:
+        info = handler.next_rendezvous()  # rank 0 of one: hosts the workers' store
+        assert asked == [("127.0.0.1", 0)]
+        assert info.bootstrap_store_info.master_port == handler._shared_tcp_store_server.port
+        # The older call form: one RendezvousStoreInfo.
+        handler._create_tcp_store_server(RendezvousStoreInfo("127.0.0.1", 0))
+        assert asked[-1] == ("127.0.0.1", 0) and len(asked) == 2
+    finally:
+        handler.shutdown()
+    with pytest.raises(NotImplementedError):
+        compat.WorkersStoreOverride().workers_store_server("127.0.0.1", 0)
+
+
 def test_batch_norm_base_is_torchs():
     assert isinstance(nn.BatchNorm1d(3), compat.BatchNormBase)
 

@@ -8,7 +8,7 @@ Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over 
 - ``lockstep-loopback`` (endpoints on 127.0.0.1/localhost): every store listens on 127.0.0.1
   only; ``lockstep-c10d`` (any other endpoint): the launcher on the machine that owns the
   address hosts the store (see :mod:`~lockstep.launcher.stores`).
-- Both talk (:mod:`~lockstep.launcher.meeting`): a line every few seconds while waiting, a
+- Both talk (:mod:`~lockstep.launcher.rendezvous_report`): a line every few seconds while waiting, a
   timeout that says what was seen, and the machines that joined or left at each round.
 - The store's host leaves last: at shutdown every launcher counts itself out and the host
   waits for them (briefly), so that no launcher's last words meet a store that is gone (a C++
@@ -37,6 +37,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from lockstep._torch_compat import (
+    WorkersStoreOverride,
+    forget_shared_store_server,
+    rendezvous_internals,
+)
 from lockstep.launcher.rendezvous_report import Meeting, Member, RoundView, Visitor, say_on_stderr
 from lockstep.launcher.stores import (
     LOOPBACK_HOST,
@@ -76,10 +81,12 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     ``init_process_group`` (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it across restarts,
     while workers no longer prefix their keys by attempt: after a restart, gloo reads the
     previous attempt's addresses and fails to connect (torchrun's ``--max-restarts`` breaks
-    the same way). Forgetting the store before each round makes rank 0 host a fresh one;
-    on torch versions without these attributes, setting them changes nothing.
+    the same way). Forgetting the store before each round makes rank 0 host a fresh one
+    (:func:`~lockstep._torch_compat.forget_shared_store_server`; a no-op on a torch that keeps
+    no store). The handler's private members are read through
+    :func:`~lockstep._torch_compat.rendezvous_internals`.
 
-    With a :class:`~lockstep.launcher.meeting.Meeting` attached (:meth:`attach`), it also
+    With a :class:`~lockstep.launcher.rendezvous_report.Meeting` attached (:meth:`attach`), it also
     reports while waiting and at each round, and orders its shutdown (see the module).
     """
 
@@ -100,20 +107,27 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     def attach(self, meeting: Meeting, nproc: int, log_dir: str | None) -> None:
         """Report through ``meeting``; publish this launcher's worker count and visit."""
         self.meeting, self.log_dir = meeting, log_dir
-        me = self._this_node
+        torch_side = rendezvous_internals(self)
+        me, store = torch_side.this_node, torch_side.store
         record = {"nproc": nproc, "host": socket.gethostname()}
-        self._store.set(self._nproc_key(repr(me)), json.dumps(record))
+        store.set(self._nproc_key(repr(me)), json.dumps(record))
         visit = {"key": repr(me), "host": record["host"], "pid": me.pid,
-                 "run_id": self._settings.run_id, "nnodes": meeting.nnodes}
-        self._store.append(_VISITORS_KEY, json.dumps(visit) + "\n")  # type: ignore[attr-defined]
+                 "run_id": self.settings.run_id, "nnodes": meeting.nnodes}
+        store.append(_VISITORS_KEY, json.dumps(visit) + "\n")
 
     def _nproc_key(self, node: str) -> str:
-        return f"lockstep/{self._settings.run_id}/nproc/{node}"
+        return f"lockstep/{self.settings.run_id}/nproc/{node}"
+
+    def _rdzv_store(self) -> Any:
+        return rendezvous_internals(self).store
+
+    def _this_node_key(self) -> str:
+        return repr(rendezvous_internals(self).this_node)
 
     # ---- what the reports read -----------------------------------------------------------
     def round_view(self) -> RoundView:
         """A plain snapshot of the rendezvous state this launcher last synced."""
-        state = self._state_holder.state
+        state = rendezvous_internals(self).state
         now = datetime.now(timezone.utc)
         records = self._records([repr(n) for n in [*state.participants, *state.wait_list]])
 
@@ -130,17 +144,19 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     def _records(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
         """What each launcher published of itself (host name, worker count)."""
         found = {}
+        store = self._rdzv_store()
         for node in nodes:
             key = self._nproc_key(node)
-            if self._store.check([key]):
-                found[node] = json.loads(self._store.get(key))
+            if store.check([key]):
+                found[node] = json.loads(store.get(key))
         return found
 
     def visitors(self) -> list[Visitor]:
-        if not self._store.check([_VISITORS_KEY]):
+        store = self._rdzv_store()
+        if not store.check([_VISITORS_KEY]):
             return []
         found = []
-        for line in self._store.get(_VISITORS_KEY).decode().splitlines():
+        for line in store.get(_VISITORS_KEY).decode().splitlines():
             try:
                 v = json.loads(line)
                 found.append(Visitor(v["key"], v["host"], int(v["pid"]), v["run_id"], v["nnodes"]))
@@ -150,12 +166,11 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
 
     # ---- the rendezvous ------------------------------------------------------------------
     def next_rendezvous(self):
-        self._shared_tcp_store_server = None
-        self._bootstrap_store_info = None
+        forget_shared_store_server(self)
         meeting = self.meeting
         if meeting is None:
             return super().next_rendezvous()
-        me = repr(self._this_node)
+        me = self._this_node_key()
         try:
             with meeting.waiting(self.round_view, self.visitors, me):
                 info = super().next_rendezvous()
@@ -173,7 +188,7 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         failed_here = meeting.previous is not None and not self._saw_waiting
         self._saw_waiting = False
         view = self.round_view()
-        stale = self._settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
+        stale = self.settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
         try:
             meeting.announce(view, evidence, failed=failed_here, stale_after=stale)
         except Exception:
@@ -194,18 +209,19 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         out, so the wait is bounded.
         """
         try:
-            left = self._store.add(_DEPARTED_KEY, 1)
+            store = self._rdzv_store()
+            left = store.add(_DEPARTED_KEY, 1)
             if not self.hosts_store or self.meeting is None:
                 return
-            state = self._state_holder.state
+            state = rendezvous_internals(self).state
             ours = {repr(n) for n in [*state.participants, *state.wait_list]}
-            ours.add(repr(self._this_node))
-            strangers = self.meeting.strangers(self.visitors(), repr(self._this_node))
+            ours.add(self._this_node_key())
+            strangers = self.meeting.strangers(self.visitors(), self._this_node_key())
             expected = len(ours) + len(strangers)
             deadline = time.monotonic() + _DEPARTURE_WAIT_S
             while left < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
-                left = self._store.add(_DEPARTED_KEY, 0)
+                left = store.add(_DEPARTED_KEY, 0)
         except Exception:
             logger.debug("orderly departure failed", exc_info=True)
 
@@ -214,10 +230,10 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         return C10D_BACKEND
 
 
-class LoopbackRendezvousHandler(FreshStoreRendezvousHandler):
+class LoopbackRendezvousHandler(WorkersStoreOverride, FreshStoreRendezvousHandler):
     """The same, with the workers' store on 127.0.0.1 (torch's listens on every interface)."""
 
-    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
+    def workers_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
         return loopback_store(master_port, timeout=timedelta(seconds=300), host=True)
 
     def get_backend(self) -> str:
