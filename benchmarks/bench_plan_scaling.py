@@ -69,12 +69,55 @@ def bert_params(vocab: int = 30522, hidden: int = 768, layers: int = 12, ffn: in
     return sum(p.numel() for m in parts for p in m.parameters()) + vocab  # + MLM output bias
 
 
+def _conv_bn(inp: int, out: int, kernel: int | tuple[int, int], stride: int = 1) -> list[nn.Module]:
+    return [nn.Conv2d(inp, out, kernel, stride, bias=False), nn.BatchNorm2d(out, eps=0.001)]
+
+
+def inception_v3_params(classes: int = 1000, aux: bool = False) -> int:
+    """Trainable parameters of Inception v3 (Szegedy et al. 2015, arXiv:1512.00567), counted on
+    torch.nn with torchvision's layout (every convolution without bias, then batch norm). With
+    ``aux`` it is torchvision's ``inception_v3`` (27,161,264); without, the network alone (what
+    TensorFlow's tf_cnn_benchmarks builds: assumed)."""
+    c = _conv_bn
+    layers = c(3, 32, 3, 2) + c(32, 32, 3) + c(32, 64, 3) + c(64, 80, 1) + c(80, 192, 3)
+
+    def a(i: int, pool: int) -> list[nn.Module]:
+        return (c(i, 64, 1) + c(i, 48, 1) + c(48, 64, 5) + c(i, 64, 1) + c(64, 96, 3)
+                + c(96, 96, 3) + c(i, pool, 1))
+
+    def b(i: int) -> list[nn.Module]:
+        return c(i, 384, 3, 2) + c(i, 64, 1) + c(64, 96, 3) + c(96, 96, 3, 2)
+
+    def cc(i: int, w: int) -> list[nn.Module]:
+        return (c(i, 192, 1) + c(i, w, 1) + c(w, w, (1, 7)) + c(w, 192, (7, 1)) + c(i, w, 1)
+                + c(w, w, (7, 1)) + c(w, w, (1, 7)) + c(w, w, (7, 1)) + c(w, 192, (1, 7))
+                + c(i, 192, 1))
+
+    def d(i: int) -> list[nn.Module]:
+        return (c(i, 192, 1) + c(192, 320, 3, 2) + c(i, 192, 1) + c(192, 192, (1, 7))
+                + c(192, 192, (7, 1)) + c(192, 192, 3, 2))
+
+    def e(i: int) -> list[nn.Module]:
+        return (c(i, 320, 1) + c(i, 384, 1) + c(384, 384, (1, 3)) + c(384, 384, (3, 1))
+                + c(i, 448, 1) + c(448, 384, 3) + c(384, 384, (1, 3)) + c(384, 384, (3, 1))
+                + c(i, 192, 1))
+
+    layers += (a(192, 32) + a(256, 64) + a(288, 64) + b(288) + cc(768, 128) + cc(768, 160)
+               + cc(768, 160) + cc(768, 192) + d(768) + e(1280) + e(2048))
+    layers.append(nn.Linear(2048, classes))
+    if aux:
+        layers += c(768, 128, 1) + c(128, 768, 5) + [nn.Linear(768, classes)]
+    return sum(p.numel() for m in layers for p in m.parameters())
+
+
 # The SE reduction ratio 16 is Hu et al., "Squeeze-and-Excitation Networks" (CVPR 2018)'s default.
 MODELS = {"resnet50": lambda: resnet_params((3, 4, 6, 3)),
           "resnext101_32x4d": lambda: resnet_params((3, 4, 23, 3), groups=32, width_per_group=4),
           "se_resnext101_32x4d": lambda: resnet_params((3, 4, 23, 3), groups=32,
                                                        width_per_group=4, se=16),
-          "bert_base": bert_params}
+          "bert_base": bert_params,
+          "resnet152": lambda: resnet_params((3, 8, 36, 3)),
+          "inception_v3": inception_v3_params}
 
 
 def implied_cv(row: dict, params: dict[str, int]) -> float:

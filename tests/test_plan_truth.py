@@ -215,10 +215,12 @@ def test_published_scaling_rows_are_read_from_their_quotes():
     """Every training-scaling row cites its README and table, and its numbers appear in the
     quoted table rows; the efficiency is the published scaling column over the GPU count."""
     rows = _published_scaling()
-    assert len(rows) >= 30 and len({r["url"].split("/blob/")[0] for r in rows}) >= 2
+    assert len(rows) >= 30 and len({r["url"].split("/blob/")[0] for r in rows}) >= 4
     for row in rows:
         assert row["url"].startswith(("https://github.com/NVIDIA/DeepLearningExamples/",
-                                      "https://github.com/Oneflow-Inc/DLPerf/"))
+                                      "https://github.com/Oneflow-Inc/DLPerf/",
+                                      "https://github.com/tensorflow/docs/",
+                                      "https://github.com/lambdal/deeplearning-benchmark/"))
         tail = row["quote"].split(" ... ")[-1]
         assert str(row["throughput_n"]) in tail and str(row["throughput_1gpu"]) in row["quote"]
         if "column" not in row:  # a README's own scaling column, quoted
