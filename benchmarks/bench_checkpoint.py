@@ -16,7 +16,9 @@ a blocking ``Checkpointer.save(blocking=True)`` and an asynchronous one (the def
 background write is waited for outside the timed part, as the next training steps would hide it).
 The asynchronous save copies the parameters and Adam's state after it returns, before the next
 ``optimizer.step()``: the last two rows time a step alone and a save followed at once by a step
-(no forward/backward to hide the copy behind), whose difference is the most a step can wait.
+(no forward/backward to hide the copy behind), whose difference is the most a step can wait;
+the very last row times that wait alone (from the call of ``step()`` to the end of the copy),
+which a busy machine's noise in the step itself does not hide.
 """
 
 from __future__ import annotations
@@ -159,9 +161,17 @@ def measure_stalls(
          "optimizer": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
                        for k, v in optimizer.state_dict()["state"].items()}}
 
+    waits: list[float] = []
+
     def save_then_step() -> None:
         background.save(1, model=model, optimizer=optimizer)
+        # A pre-hook registered after save()'s runs once the copy is complete: the step's wait.
+        copied: list[float] = []
+        handle = optimizer.register_step_pre_hook(lambda *_: copied.append(time.perf_counter()))
+        start = time.perf_counter()
         optimizer.step()  # waits for the copy of the parameters and optimizer state
+        handle.remove()
+        waits.append(copied[0] - start)
 
     ways = {
         "torch.save": torch_save,
@@ -180,6 +190,7 @@ def measure_stalls(
             fn()
             stalls[how].append(time.perf_counter() - start)
             background.wait()  # outside the timing: later training steps would overlap it
+    stalls["… of which the step waited for the copy"] = waits
     print(f"asynchronous snapshot holds {background.snapshot_bytes / 2**20:.0f} MiB of host memory")
     return stalls
 

@@ -22,7 +22,7 @@ import lockstep
 from lockstep.checkpoint import Checkpointer, CheckpointError
 from lockstep.checkpoint import deferred as ckpt_deferred
 from lockstep.checkpoint import io as ckpt_io
-from lockstep.checkpoint.deferred import DeferredCopy, stepped_storages
+from lockstep.checkpoint.deferred import CopyPieces, DeferredCopy, split, stepped_storages
 from lockstep.checkpoint.snapshot import Snapshot
 
 torch.optim.Adam(nn.Linear(1, 1).parameters())  # see test_checkpoint.py: TORCHINDUCTOR_CACHE_DIR
@@ -219,6 +219,108 @@ def test_the_writer_checks_itself_once_the_saving_thread_ended(tmp_path, monkeyp
             break
         time.sleep(0.01)
     assert (tmp_path / "step_000000000001").exists()
+
+
+def test_a_step_right_after_save_copies_what_the_writing_thread_did_not_reach(tmp_path,
+                                                                            monkeypatch):
+    """The writing thread is held before its first piece until the step has returned: a step
+    that merely waited for it would wait the hold's whole timeout, and fail the assertion."""
+    release = threading.Event()
+    released: list[bool] = []
+    real = DeferredCopy.run
+
+    def held(self: DeferredCopy) -> None:
+        released.append(release.wait(timeout=10))  # False: the step did not return without it
+        real(self)
+
+    monkeypatch.setattr(DeferredCopy, "run", held)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters())
+    _train(model, optimizer, steps=2)
+    Checkpointer(tmp_path / "blocking").save(2, model=model, optimizer=optimizer, blocking=True)
+    ckpt = Checkpointer(tmp_path / "deferred")
+    ckpt.save(2, model=model, optimizer=optimizer)
+    optimizer.step()  # at once: copies every piece itself, then changes the parameters
+    release.set()
+    ckpt.wait()
+    assert released == [True], "the step waited for the writing thread instead of copying"
+    assert _equal(_files(tmp_path / "blocking" / "step_000000000002"),
+                  _files(tmp_path / "deferred" / "step_000000000002"))
+
+
+def test_check_alone_completes_the_copy_in_pieces(monkeypatch):
+    monkeypatch.setattr(ckpt_deferred, "_CHUNK_BYTES", 64)
+    large, strided = torch.randn(40, 7), torch.randn(9, 8).t()  # 1120 bytes; not contiguous
+    jobs = [(name, source, torch.empty_like(source, memory_format=torch.contiguous_format))
+            for name, source in [("large", large), ("strided", strided), ("scalar", torch.tensor(3.0))]]
+    assert len(split(large, jobs[0][2])) == 18 and len(split(strided, jobs[1][2])) == 1
+    later = DeferredCopy(jobs, [])
+    assert later.check() is None  # no writing thread at all: the checking thread copied it
+    later.run()  # nothing left to copy
+    assert all(torch.equal(source, buffer) for _, source, buffer in jobs)
+
+
+def test_the_waiter_copies_the_rest_then_waits_for_the_piece_in_flight(monkeypatch):
+    monkeypatch.setattr(ckpt_deferred, "_CHUNK_BYTES", 64)
+    source = torch.randn(64)  # four pieces of 16 floats
+    buffer = torch.empty_like(source)
+    later = DeferredCopy([("w", source, buffer)], [])
+    in_flight, release = threading.Event(), threading.Event()
+    copied: list[tuple[str, int]] = []
+    real = CopyPieces._copy
+
+    def copy(self: CopyPieces, index: int) -> None:
+        if threading.current_thread().name == "writer":
+            in_flight.set()
+            assert release.wait(timeout=10)
+        real(self, index)
+        copied.append((threading.current_thread().name, index))
+
+    monkeypatch.setattr(CopyPieces, "_copy", copy)
+    writer = threading.Thread(target=later.run, name="writer")
+    writer.start()
+    assert in_flight.wait(timeout=10)  # the writer holds piece 0
+    checker = threading.Thread(target=later.check, name="checker")
+    checker.start()
+    for _ in range(1000):
+        if len(copied) == 3:
+            break
+        time.sleep(0.01)
+    assert sorted(copied) == [("checker", 1), ("checker", 2), ("checker", 3)]
+    assert checker.is_alive()  # waits for piece 0, in flight on the writer
+    release.set()
+    writer.join(timeout=10)
+    checker.join(timeout=10)
+    assert not writer.is_alive() and not checker.is_alive()
+    assert ("writer", 0) in copied and later.error is None and torch.equal(source, buffer)
+
+
+def test_a_failed_copy_on_the_waiter_is_raised_by_the_writing_thread():
+    later = DeferredCopy([("w", torch.ones(3), torch.empty(4))], [])
+    assert later.check() is None  # the step that helped does not fail
+    with pytest.raises(RuntimeError, match="size"):
+        later.run()  # the writing thread fails the save with it, as before
+
+
+def test_a_piece_left_unfinished_is_copied_by_the_next_waiter(monkeypatch):
+    sources = [torch.randn(5) for _ in range(3)]
+    buffers = [torch.empty(5) for _ in range(3)]
+    pieces = CopyPieces(list(zip(sources, buffers)))
+    assert pieces._claim() == 0  # a frame a signal handler interrupted after claiming piece 0
+    real = torch.Tensor.copy_
+    calls = []
+
+    def interrupted(self: torch.Tensor, src: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the copy of piece 1
+        return real(self, src, *args)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pieces.work()
+    pieces.work()  # copies pieces 2, 0 (its own) and 1 (orphaned)
+    assert all(torch.equal(s, b) for s, b in zip(sources, buffers))
 
 
 @pytest.mark.gpu

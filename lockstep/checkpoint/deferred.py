@@ -21,6 +21,11 @@ rank, the previous checkpoint stays the newest). Until that check passed, the wr
 may write the staging directory but does not publish it. If that thread outlives the one that
 saved (a script that returns right after ``save()``), it checks the counters itself.
 
+The CPU copies are split into pieces (one per tensor, a large tensor in chunks of
+``_CHUNK_BYTES``) that any thread claims, one at a time, under a lock (:class:`CopyPieces`): the
+writing thread claims them first, and a thread that must wait for the copy (the step, the next
+checkpoint call) claims the rest instead of idling, then waits only for the pieces in flight.
+
 Writes that autograd does not count (through ``tensor.data``, NumPy views) cannot be seen: code
 that writes parameters that way must call ``wait()`` first, or save with ``defer_copy=False``.
 """
@@ -35,9 +40,12 @@ import torch
 
 from lockstep._torch_compat import tensor_version
 
-__all__ = ["DeferredCopy", "stepped_storages", "stepping_optimizers"]
+__all__ = ["CopyPieces", "DeferredCopy", "split", "stepped_storages", "stepping_optimizers"]
 
 _POLL_S = 0.02  # how often the writing thread looks whether the thread that saved is alive
+# A larger tensor is copied in pieces of this size, so that two threads can share its copy.
+_CHUNK_BYTES = 8 * 2**20
+_ORPHAN = -1  # the owner of a piece whose copy was interrupted: any waiting thread copies it
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
@@ -69,17 +77,95 @@ def stepped_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[s
     return keys  # type: ignore[return-value]
 
 
+def split(source: torch.Tensor, buffer: torch.Tensor,
+          chunk_bytes: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(source, buffer)`` as ``(source part, buffer part)`` pairs of at most ``chunk_bytes``
+    (default ``_CHUNK_BYTES``); one pair when either tensor is not contiguous."""
+    numel = max(1, (chunk_bytes or _CHUNK_BYTES) // buffer.element_size())
+    if buffer.numel() <= numel or not (source.is_contiguous() and buffer.is_contiguous()):
+        return [(source, buffer)]
+    flat_source, flat_buffer = source.view(-1), buffer.view(-1)
+    return [(flat_source[i:i + numel], flat_buffer[i:i + numel])
+            for i in range(0, flat_buffer.numel(), numel)]
+
+
+class CopyPieces:
+    """CPU copies ``(source, buffer)`` that any thread may claim, one piece at a time.
+
+    :meth:`work` claims and copies pieces until none is left, then waits for those that other
+    threads are copying: the writing thread calls it, and so does a thread that must wait for the
+    copy, which then takes the pieces the writing thread has not reached (issue #24). Copies are
+    idempotent, so a piece whose copy was interrupted (a signal handler that waits for the copy
+    on the thread that was copying it, a ``KeyboardInterrupt``) is copied again by a waiter.
+    """
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._pieces = pieces
+        self._owners: list[int | None] = [None] * len(pieces)  # thread that claimed each piece
+        self._done = [False] * len(pieces)
+        self._next = 0  # the first piece not claimed yet
+        self._cond = threading.Condition(threading.RLock())  # a signal handler may re-enter
+        self.failure: Exception | None = None  # the first copy that raised
+
+    def work(self) -> None:
+        """Copy unclaimed pieces until none is left, then wait for the others' (never raises
+        a copy's error: see :attr:`failure`)."""
+        while (index := self._claim()) is not None:
+            self._copy(index)
+        me = threading.get_ident()
+        for index in range(len(self._done)):
+            with self._cond:
+                while not self._done[index] and self._owners[index] not in (me, _ORPHAN):
+                    self._cond.wait()
+                mine = not self._done[index]  # claimed by a frame of this thread left unfinished
+            if mine:
+                self._copy(index)
+
+    def release(self) -> None:
+        """Drop the references to the sources and buffers (call once :meth:`work` returned)."""
+        self._pieces = []
+
+    def _claim(self) -> int | None:
+        with self._cond:
+            index = self._next
+            if index == len(self._owners):
+                return None
+            self._owners[index] = threading.get_ident()  # before the index moves: see work()
+            self._next = index + 1
+            return index
+
+    def _copy(self, index: int) -> None:
+        source, buffer = self._pieces[index]
+        try:
+            buffer.copy_(source)  # releases the GIL: the other threads copy meanwhile
+        except Exception as exc:  # noqa: BLE001 - raised on the writing thread (DeferredCopy.run)
+            with self._cond:
+                self.failure = self.failure or exc
+        except BaseException:  # interrupted: left to whichever thread waits for it
+            with self._cond:
+                self._owners[index] = _ORPHAN
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._done[index] = True
+            self._cond.notify_all()
+
+
 class DeferredCopy:
     """Copies of ``(name, source, host buffer)`` finishing after ``save()`` returned.
 
     CUDA copies are queued by :meth:`Snapshot.take` on its side streams (``events`` mark their
-    end); CPU copies run in :meth:`run`, which the writing thread calls first. Build it on the
-    thread that saves, before anything else may write into the sources.
+    end); CPU copies are made by :meth:`run`, which the writing thread calls first, and by
+    :meth:`check` for what ``run`` has not reached yet. Build it on the thread that saves, before
+    anything else may write into the sources.
     """
 
     def __init__(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor]], events: list[Any],
                  step: int | None = None) -> None:
         self._jobs = jobs
+        self._pieces = CopyPieces([piece for _, source, buffer in jobs
+                                   if source.device.type != "cuda"
+                                   for piece in split(source, buffer)])
         self.nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in jobs)  # copied later
         self._versions = [tensor_version(source) for _, source, _ in jobs]
         self._events = events
@@ -105,27 +191,36 @@ class DeferredCopy:
         self.check()  # a failure is raised by the next checkpoint call, not by the step
 
     def run(self) -> None:
-        """Do the CPU copies and wait for the CUDA ones (the writing thread, before encoding)."""
+        """Do the CPU copies and wait for the CUDA ones (the writing thread, before encoding).
+
+        Raises:
+            Exception: the first CPU copy that failed, on this thread or one that helped.
+        """
         try:
-            for _, source, buffer in self._jobs:
-                if source.device.type != "cuda":
-                    buffer.copy_(source)  # releases the GIL: the loop runs on meanwhile
+            self._pieces.work()
             for event in self._events:
                 event.synchronize()
         finally:
             self._copied.set()
+        if self._pieces.failure is not None:
+            raise self._pieces.failure
 
     def check(self) -> str | None:
-        """Wait for the copy, then compare the version counters; the error, if any.
+        """Complete the copy, then compare the version counters; the error, if any.
 
-        Call it on the thread that saved (there every write before the call has been counted),
-        or once that thread has ended.
+        The CPU pieces the writing thread has not claimed yet are copied here rather than waited
+        for; a failed copy is raised by :meth:`run`, not here (a step must not fail). CUDA
+        copies are waited for as :meth:`run` synchronises them. Call it on the thread that saved
+        (there every write before the call has been counted), or once that thread has ended.
         """
-        self._copied.wait()
+        self._pieces.work()
+        if self._events:
+            self._copied.wait()
         with self._lock:
             if not self._checked.is_set():
                 self.error = self._changed()
                 self._jobs = []  # keep no parameter alive
+                self._pieces.release()
                 self._checked.set()
         return self.error
 
