@@ -255,7 +255,10 @@ class Meeting:
             while not stop.wait(self.interval):
                 try:
                     now = view()
-                    self.last_waiting_view = now
+                    if now.hosts() or self.last_waiting_view is None:
+                        # a view with nobody in it comes after this launcher withdrew at the
+                        # timeout: the message keeps the last one that still listed it
+                        self.last_waiting_view = now
                     line = self.waiting_line(now, visitors(), me, time.monotonic() - start)
                 except Exception:  # a report must never break the rendezvous
                     logger.debug("could not read the rendezvous state", exc_info=True)
