@@ -4,6 +4,11 @@ The wrapper owns the user-facing contract (torch 2.13's constructor, ``.module``
 ``register_comm_hook``, torch's ``Joinable`` members, pickling, state dicts without ``module.``);
 argument checks live in ``arguments.py``, bucketing in ``bucket.py``, the reduction in
 ``reducer.py``, start-up agreement in ``replica_sync.py``, uneven inputs in ``join.py`` and ``joinable.py``.
+
+It is one class whose methods are spread over three bases by concern: ``persistence.py``
+(pickling, state dicts), ``profiling.py`` (the doctor's marks) and ``joinable.py`` (torch's
+``Joinable``). None of them is used on its own; each lists, as class annotations under "Set by
+DistributedDataParallel", the attributes it reads, and only ``__init__`` here sets them.
 """
 
 from __future__ import annotations
