@@ -214,22 +214,28 @@ def main() -> None:
           f"{args.kill_every:.0f} s, a checkpoint every {args.every} steps")
     print("| mode | steps, no kills | steps, kills | goodput | kills | lost per kill (s) |")
     print("|---|---|---|---|---|---|")
-    split_rows = []
-    for mode in args.modes:
-        free_run = run_once(mode, args.world, args.seconds, None, args.every, rng)
-        hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng)
-        free, hit, kills = free_run.steps, hit_run.steps, len(hit_run.kills)
-        rate = free / args.seconds
-        lost = (free - hit) / rate / kills if kills else 0.0
-        print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {kills} | {lost:.2f} |",
-              flush=True)
-        per_step = step_time(free_run)
-        found = [split for i in range(kills) if (split := split_kill(hit_run, i, per_step))]
-        splits = [parts for parts, _ in found]
-        means = [sum(column) / len(splits) for column in zip(*splits)] if splits else []
-        cells = [f"{m:.2f}" for m in [*means, sum(means)]] if splits else ["-"] * (len(PARTS) + 2)
-        split_rows.append(f"| {mode} | {len(splits)} of {kills} | {sum(r for _, r in found)} | "
-                          f"{per_step * 1e3:.1f} | {' | '.join(cells)} | {lost:.2f} |")
+    split_rows: list[str] = []
+    try:
+        for mode in args.modes:
+            free_run = run_once(mode, args.world, args.seconds, None, args.every, rng)
+            hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng)
+            free, hit, kills = free_run.steps, hit_run.steps, len(hit_run.kills)
+            rate = free / args.seconds
+            lost = (free - hit) / rate / kills if kills else 0.0
+            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {kills} | {lost:.2f} |",
+                  flush=True)
+            per_step = step_time(free_run)
+            found = [split for i in range(kills) if (split := split_kill(hit_run, i, per_step))]
+            splits = [parts for parts, _ in found]
+            means = [sum(column) / len(splits) for column in zip(*splits)] if splits else []
+            cells = [f"{m:.2f}" for m in [*means, sum(means)]] if splits else ["-"] * (len(PARTS) + 2)
+            split_rows.append(f"| {mode} | {len(splits)} of {kills} | {sum(r for _, r in found)} | "
+                              f"{per_step * 1e3:.1f} | {' | '.join(cells)} | {lost:.2f} |")
+    finally:  # the split of the modes done, even when a later one fails
+        print_split(split_rows)
+
+
+def print_split(split_rows: list[str]) -> None:
     print("\nTime lost per kill, by part (mean seconds per kill; see the docstring):")
     names = [name for name, _ in PARTS] + ["redone steps"]
     print(f"| mode | kills split | failed restarts | step (ms) | {' | '.join(names)} | sum "
