@@ -13,11 +13,40 @@ usual recipe), ``lockstep`` (``lockstep run --max-restarts``, blocking ``Checkpo
 ``lockstep-memory-every-step`` (the same, saving every step). Prints one table row per
 mode: steps without and with kills, goodput (their ratio), kills, and training time lost per
 kill, ``(steps without - steps with) / failure-free steps per second / kills``.
+
+A second table splits the time lost per kill into its parts, measured from the events that
+``goodput_train.py`` appends to ``events-rank<r>.jsonl`` (wall-clock ``time.time()``) and the
+time and victim of each kill recorded here. For a kill, the processes running at the kill and
+their replacements (per rank, the first process created after it) give, each part ending when
+the last replacement reaches its event (the mean over kills, in seconds):
+
+- detection+restart: the kill -> the replacement processes exist (``/proc`` start time): the
+  agent noticing the death (it polls every 0.1 s), stopping the survivors (SIGTERM, waiting
+  for their exit), its own next rendezvous round, and starting the processes; with any
+  restart attempts whose processes failed before a step ("failed restarts" counts them, and
+  the replacements are then the first processes after the kill that did a step);
+- import: -> torch and lockstep imported (the interpreter's start, the launcher's worker
+  wrapper, the script's imports, lockstep's parts that it imports on first use);
+- rendezvous: -> the process group initialised;
+- model: -> the model, its DDP wrapper and the optimizer made;
+- restore: -> the checkpoint loaded;
+- first step: -> the first step after the restore done (one useful step included);
+- redone steps: (the highest step that the killed processes recorded - the restored step) x
+  the failure-free step time (from the failure-free run's steps).
+
+Their sum stands next to the first table's "lost per kill", which it should roughly match.
+Not covered: the step in flight at the kill (under one step), steps after the first that run
+slower than failure-free ones, and the start-up that "lost per kill" folds into the
+failure-free rate (steps / ``--seconds``), which inflates it by ``--seconds / (--seconds -
+start-up)``. A kill whose replacements did not finish a step before the next kill or the
+deadline is left out of the split ("kills split" counts the rest).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import random
 import shutil
@@ -26,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lockstep.checkpoint.replicas import default_memory_root
@@ -39,6 +69,87 @@ MODES: dict[str, tuple[str, int | None]] = {
     "lockstep-memory": ("lockstep-memory", None),
     "lockstep-memory-every-step": ("lockstep-memory", 1),
 }
+# The split's parts: (name, the event that ends it, in the replacement processes).
+PARTS = [("detection+restart", "spawn"), ("import", "imported"), ("rendezvous", "initialised"),
+         ("model", "built"), ("restore", "restored"), ("first step", "step")]
+
+
+@dataclass
+class Process:
+    """One worker process's events from ``events-rank<r>.jsonl``."""
+
+    events: dict[str, float] = field(default_factory=dict)  # event -> its first time
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (time, step) per step
+    restored: int | None = None  # the restored step
+
+
+@dataclass
+class Run:
+    steps: int  # reached at the deadline
+    deadline: float
+    kills: list[tuple[float, int]]  # (time, victim rank) per kill
+    processes: dict[int, list[Process]]  # rank -> its processes, in order of creation
+
+
+def read_events(work: Path, world: int) -> dict[int, list[Process]]:
+    processes: dict[int, list[Process]] = {}
+    for rank in range(world):
+        by_pid: dict[int, Process] = {}
+        path = work / f"events-rank{rank}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the SIGKILL
+            proc = by_pid.setdefault(event["pid"], Process())
+            if event["event"] == "step":
+                proc.steps.append((event["t"], event["step"]))
+                proc.events.setdefault("step", event["t"])
+            else:
+                proc.events.setdefault(event["event"], event["t"])
+                if event["event"] == "restored":
+                    proc.restored = event["step"]
+        processes[rank] = sorted((p for p in by_pid.values() if "spawn" in p.events),
+                                 key=lambda p: p.events["spawn"])
+    return processes
+
+
+def step_time(run: Run) -> float:
+    """Seconds per step of a failure-free run, from rank 0's first to last step."""
+    steps = run.processes[0][0].steps
+    return (steps[-1][0] - steps[0][0]) / (steps[-1][1] - steps[0][1])
+
+
+def split_kill(run: Run, index: int, per_step: float) -> tuple[list[float], int] | None:
+    """Seconds of each part of ``PARTS`` and of the redone steps for kill ``index``, and the
+    number of restart attempts that failed before the one that resumed training.
+
+    ``None`` where the replacements did not finish a step before the next kill (or the deadline).
+    """
+    killed = run.kills[index][0]
+    end = run.kills[index + 1][0] if index + 1 < len(run.kills) else run.deadline
+    old, new, retries = [], [], 0
+    for procs in run.processes.values():
+        before = [p for p in procs if p.events["spawn"] < killed]
+        after = [p for p in procs if killed < p.events["spawn"] < end]
+        stepped = [p for p in after if "step" in p.events]
+        if not before or not stepped:
+            return None
+        old.append(before[-1])
+        new.append(stepped[0])
+        retries = max(retries, after.index(stepped[0]))
+    ends = [killed]
+    for _, event in PARTS:
+        if any(event not in p.events for p in new):
+            return None
+        ends.append(max(p.events[event] for p in new))
+    if ends[-1] > end:
+        return None
+    reached = max((step for p in old for _, step in p.steps),
+                  default=max(p.restored or 0 for p in old))
+    restored = max(p.restored or 0 for p in new)
+    parts = [b - a for a, b in itertools.pairwise(ends)]
+    return [*parts, max(0, reached - restored) * per_step], retries
 
 
 def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> subprocess.Popen:
@@ -55,22 +166,24 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> su
 
 
 def run_once(mode: str, world: int, seconds: float, kill_every: float | None, every: int,
-             rng: random.Random) -> tuple[int, int]:
-    """Steps reached in ``seconds`` of training, and the number of kills."""
+             rng: random.Random) -> Run:
+    """Steps reached in ``seconds`` of training, the kills, and the workers' events."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         start = time.time()
         deadline = start + seconds
         proc = launch(mode, world, work, deadline, every)
-        kills = 0
+        kills: list[tuple[float, int]] = []
         next_kill = start + kill_every if kill_every else float("inf")
         while proc.poll() is None:
             now = time.time()
             if now >= next_kill and now < deadline - 1:
                 rank = rng.randrange(world)
                 try:
-                    os.kill(int((work / f"pid-rank{rank}").read_text()), signal.SIGKILL)
-                    kills += 1
+                    pid = int((work / f"pid-rank{rank}").read_text())
+                    killed = time.time()
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append((killed, rank))
                 except (OSError, ValueError):
                     pass  # that worker is already gone (a restart in progress)
                 next_kill += kill_every  # type: ignore[operator]
@@ -82,9 +195,9 @@ def run_once(mode: str, world: int, seconds: float, kill_every: float | None, ev
         if proc.returncode != 0 or not steps_file.exists():
             raise RuntimeError(f"{mode} failed ({proc.returncode}):\n"
                                f"{(work / 'log.txt').read_text()[-3000:]}")
-        steps = int(steps_file.read_text())
+        run = Run(int(steps_file.read_text()), deadline, kills, read_events(work, world))
     shutil.rmtree(default_memory_root(work / "ckpt"), ignore_errors=True)  # a killed run's copies
-    return steps, kills
+    return run
 
 
 def main() -> None:
@@ -101,13 +214,35 @@ def main() -> None:
           f"{args.kill_every:.0f} s, a checkpoint every {args.every} steps")
     print("| mode | steps, no kills | steps, kills | goodput | kills | lost per kill (s) |")
     print("|---|---|---|---|---|---|")
-    for mode in args.modes:
-        free, _ = run_once(mode, args.world, args.seconds, None, args.every, rng)
-        hit, kills = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng)
-        rate = free / args.seconds
-        lost = (free - hit) / rate / kills if kills else 0.0
-        print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {kills} | {lost:.2f} |",
-              flush=True)
+    split_rows: list[str] = []
+    try:
+        for mode in args.modes:
+            free_run = run_once(mode, args.world, args.seconds, None, args.every, rng)
+            hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng)
+            free, hit, kills = free_run.steps, hit_run.steps, len(hit_run.kills)
+            rate = free / args.seconds
+            lost = (free - hit) / rate / kills if kills else 0.0
+            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {kills} | {lost:.2f} |",
+                  flush=True)
+            per_step = step_time(free_run)
+            found = [split for i in range(kills) if (split := split_kill(hit_run, i, per_step))]
+            splits = [parts for parts, _ in found]
+            means = [sum(column) / len(splits) for column in zip(*splits)] if splits else []
+            cells = [f"{m:.2f}" for m in [*means, sum(means)]] if splits else ["-"] * (len(PARTS) + 2)
+            split_rows.append(f"| {mode} | {len(splits)} of {kills} | {sum(r for _, r in found)} | "
+                              f"{per_step * 1e3:.1f} | {' | '.join(cells)} | {lost:.2f} |")
+    finally:  # the split of the modes done, even when a later one fails
+        print_split(split_rows)
+
+
+def print_split(split_rows: list[str]) -> None:
+    print("\nTime lost per kill, by part (mean seconds per kill; see the docstring):")
+    names = [name for name, _ in PARTS] + ["redone steps"]
+    print(f"| mode | kills split | failed restarts | step (ms) | {' | '.join(names)} | sum "
+          "| lost per kill |")
+    print("|---" * (len(names) + 6) + "|")
+    for row in split_rows:
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
