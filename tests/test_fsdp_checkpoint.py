@@ -362,6 +362,7 @@ def scalar_worker(rank: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_zero_dim_parameter_full_form_is_a_plain_adamw_state_dict(tmp_path):
     root = str(tmp_path)

@@ -241,6 +241,7 @@ def test_heartbeat_interval_knob():
         publish_interval({INTERVAL_ENV_VAR: "soon"})
 
 
+@pytest.mark.slow  # its assertions run in the default tier in test_stackdump.py's launcher case
 @pytest.mark.multirank
 def test_launcher_names_the_rank_that_hung(tmp_path):
     culprit = 1

@@ -225,6 +225,7 @@ def test_two_launchers_c10d_and_static_equal_one_machine(tmp_path):
     assert "restart 1 of 1 with 2 machines, world 2: machine 0 (" in both
 
 
+@pytest.mark.slow
 @pytest.mark.multimachine
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_lost_machine_is_named_and_the_survivor_resumes_at_the_new_world(tmp_path):

@@ -108,5 +108,11 @@ def test_launcher_root_cause_shows_the_hung_rank_stack(tmp_path):
     err = done.stderr
     assert done.returncode == 1, err[-3000:]
     report = err[err.index("Root cause: rank 1 "):]
+    # what test_hangs.py's launcher case (now in the slow tier) checks, on this same run
+    assert "Root cause: rank 1 (local rank 1, pid " in err, err[-3000:]
+    assert ("hung at step 3, phase 'after forward, before backward': its peers waited for it in "
+            "vain (named by rank(s) 0") in err, err[-3000:]
+    assert "the launcher then stopped it (SIGTERM)." in err
+    assert "reported: DDP gradient all-reduce (bucket 0 of 1) failed after waiting" in err
     stack = report[report.index("Python stack of rank 1 (pid "):]
     assert "hang_ddp.py" in stack and "in main" in stack, report
