@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Checkpointer": "lockstep.checkpoint",
     "CheckpointError": "lockstep.checkpoint",
     "Restored": "lockstep.checkpoint",
+    "Survivors": "lockstep.resilience",
     "load_weights": "lockstep.checkpoint",
     "Runtime": "lockstep.helper.runtime",
     "ZeroRedundancyOptimizer": "lockstep.zero.optimizer",

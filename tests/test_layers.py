@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parallel", [
         "lockstep.ddp", "lockstep.dp", "lockstep.fsdp", "lockstep.zero", "lockstep.sampler",
         "lockstep.virtual_sampler", "lockstep.checkpoint", "lockstep.pipeline",
-        "lockstep.sync_batchnorm", "lockstep.accumulation",
+        "lockstep.sync_batchnorm", "lockstep.accumulation", "lockstep.resilience",
     ]),
     ("doctor, plan", ["lockstep.doctor", "lockstep.plan", "lockstep.ddp.timing"]),
     ("launcher", ["lockstep.launcher", "lockstep.helper"]),

@@ -379,6 +379,33 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         finally:
             self.require_backward_grad_sync = previous
 
+    def use_process_group(self, process_group: dist.ProcessGroup | None = None) -> None:
+        """Average over ``process_group`` from now on (None: the default group, as it is now).
+
+        lockstep's own (torch's DDP has no such method): :class:`lockstep.Survivors` calls it
+        when the world changes under a running job. The reducer is rebuilt on the new group
+        and the old one's gradient hooks removed; the parameters are not broadcast (the caller
+        brings the replicas level). Call it between steps, never inside a backward.
+
+        Raises:
+            RuntimeError: a comm hook registered with :meth:`register_comm_hook` (its state
+                names the old group), or ``delay_all_reduce_named_params`` (its hook is tied
+                to one group): build a new DistributedDataParallel instead.
+        """
+        user_hook = self._hook_registered and self._reduce_dtype is None and self.reduce_dtype is None
+        if user_hook or self._delayed_names:
+            raise RuntimeError(
+                "use_process_group: this model has "
+                + ("a registered comm hook" if user_hook else "delay_all_reduce_named_params")
+                + ", whose state is tied to the old process group; build a new "
+                "DistributedDataParallel on the new group instead."
+            )
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+        self.process_group = arguments.resolve_process_group(process_group, None)
+        self.device_mesh = None
+        self._connect()
+
     # ---- comm hooks and timing -----------------------------------------------------------
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Replace the default averaging all-reduce: ``hook(state, bucket) -> Future[Tensor]``.

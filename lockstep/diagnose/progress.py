@@ -70,16 +70,23 @@ def default_store() -> Any:
 
 
 def publish_interval(environ: dict[str, str] | None = None) -> float:
-    """Seconds between two publications (``LOCKSTEP_PROGRESS_INTERVAL``, default 1)."""
+    """Seconds between two publications (``LOCKSTEP_PROGRESS_INTERVAL``, default 1).
+
+    ``off`` (0.0 here): no records, so a failed collective raises the backend's error at once,
+    without naming the peers (``lockstep run --survivors`` sets it: the launcher names the dead).
+    """
     raw = (os.environ if environ is None else environ).get(INTERVAL_ENV_VAR, "")
     if not raw.strip():
         return _DEFAULT_INTERVAL_S
+    if raw.strip().lower() == "off":
+        return 0.0
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ValueError(f"{INTERVAL_ENV_VAR}={raw!r}: expected a positive number of seconds")
+        raise ValueError(
+            f"{INTERVAL_ENV_VAR}={raw!r}: expected a positive number of seconds, or off")
     return value
 
 
@@ -232,7 +239,7 @@ class ProgressTracker:
 
 def tracker() -> ProgressTracker | None:
     """The tracker of the current job, started on first use; None in a world of one."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or publish_interval() == 0.0:
         return None
     world = dist.group.WORLD
     with _TRACKERS_LOCK:

@@ -35,6 +35,9 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     ("virtual-shards", {"type": int, "default": None, "metavar": "V",
                             "help": "VirtualShardDDP's shards: check the world divides V, "
                                     "pass V to the workers (LOCKSTEP_VIRTUAL_SHARDS)"}),
+    ("survivors", {"action": "store_true",
+                   "help": "one machine: when a worker dies the others keep training and a "
+                           "replacement joins (the script uses lockstep.Survivors)"}),
     ("local-ranks-filter", {"default": "", "metavar": "R,...",
                                 "help": "show only these local ranks' output on the console"}),
 )  # fmt: skip

@@ -61,6 +61,7 @@ class LaunchPlan:
     local_addr: str | None = None
     log_dir: str | None = None
     local_ranks_filter: frozenset[int] | None = None
+    survivors: bool = False  # --survivors: lockstep.launcher.survivors supervises the workers
 
     def __post_init__(self) -> None:
         """Refuse a plan that cannot work, however it was built (flags or by hand)."""
@@ -89,6 +90,12 @@ class LaunchPlan:
             raise ValueError(f"--monitor-interval {self.monitor_interval}: must be positive")
         if not self.entrypoint or not self.rdzv_endpoint or not self.rdzv_backend:
             raise ValueError("a launch plan needs an entrypoint, a rendezvous backend and endpoint")
+        if self.survivors and self.max_nodes != 1:
+            raise ValueError(
+                f"--survivors runs on one machine; this job has --nnodes {self.min_nodes}:"
+                f"{self.max_nodes}. Drop --survivors (every worker restarts after a failure, "
+                "with --max-restarts) or run on one machine."
+            )
         outside = sorted(set(self.local_ranks_filter or ()) - set(range(self.nproc_per_node)))
         if outside:
             raise ValueError(
@@ -272,6 +279,7 @@ def plan_from_args(
         local_addr=local_addr,
         log_dir=args.log_dir,
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
+        survivors=bool(getattr(args, "survivors", False)),
     )
 
 

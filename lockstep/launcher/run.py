@@ -83,6 +83,10 @@ def launch(plan: LaunchPlan) -> int:
     On failure the root cause (rank, exit code or signal, Python traceback) is printed to
     stderr after every worker has been stopped.
     """
+    if plan.survivors:
+        from lockstep.launcher.survivors import supervise
+
+        return supervise(plan)
     register_backends()
     env = {**plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid())}
     with _log_dir(plan.log_dir) as log_dir, scoped_environ(env):

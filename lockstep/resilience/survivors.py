@@ -1,0 +1,356 @@
+"""Survivors that keep training: a failed rank leaves the world, a replacement joins later.
+
+Under ``lockstep run --survivors`` (one machine), a worker that dies does not stop the others:
+the launcher starts a replacement for its slot and marks the dead process in the store. The
+survivors' next collective fails at once (the peer's sockets close); :meth:`Survivors.step`
+catches that, holds a roll call through the store, and the members still alive form the next
+*generation*: a new default process group made from the store, the DDP model moved onto it
+(:meth:`~lockstep.DistributedDataParallel.use_process_group`), every member brought to the
+state of the member that completed the most steps, and the failed step run again in the
+smaller world. The replacement waits at its first :meth:`~Survivors.step` until the first
+member admits it at a step boundary (every ``admit_every`` steps while the world is short) and
+receives the state over the process group; the world is whole again.
+
+Without ``--survivors`` (``lockstep run``, torchrun, srun, plain ``python``) the same script
+runs as usual: :class:`Survivors` creates the default group with
+:func:`lockstep.init_distributed`, and a failure propagates as it always did.
+
+What changes during degraded steps: each step averages over fewer ranks, so the global batch
+is smaller (``world x per-rank batch``). :attr:`Survivors.world_size` says how many ranks the
+step has; scale the learning rate with it where the recipe ties the two (linear scaling), or
+keep the global batch by giving each rank more samples. :meth:`Survivors.batches` re-shards
+what is left of the epoch over the new world, so every sample is still read once per epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed
+from lockstep.resilience.roster import Member, Proposal, job_store, propose, wait_until
+from lockstep.resilience.transfer import broadcast_state
+
+__all__ = ["JOIN_ENV", "SURVIVORS_ENV", "Survivors"]
+
+SURVIVORS_ENV = "LOCKSTEP_SURVIVORS"  # "1": the launcher keeps survivors running
+JOIN_ENV = "LOCKSTEP_SURVIVOR_JOIN"  # "1": this process replaces a failed one
+
+
+class Survivors:
+    """Keep a data-parallel loop running through the loss of ranks (see the module docstring).
+
+    Create it instead of calling :func:`lockstep.init_distributed`, then build the model and
+    optimizer, :meth:`track` them, and run each step inside :meth:`step`::
+
+        team = lockstep.Survivors()
+        model = lockstep.DistributedDataParallel(Net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        team.track(model, optimizer)
+        while team.completed < 1000:
+            with team.step():   # a peer's failure: the step runs again in the smaller world
+                x = batch_for(team.completed, team.rank, team.world_size)
+                optimizer.zero_grad()
+                model(x).sum().backward()
+                optimizer.step()
+
+    ``team.completed`` counts the steps completed; a replacement takes its peers' count.
+
+    Args:
+        admit_every: while the world is short, look for replacements every this many steps.
+        detect_timeout: seconds a roll call waits for a member that neither answers nor is
+            marked dead by the launcher, before counting it gone.
+        join_timeout: seconds a replacement waits to be admitted.
+        backend: the process groups' backend (by default gloo on CPU, NCCL on CUDA).
+        timeout: the process groups' collective timeout.
+    """
+
+    def __init__(self, *, admit_every: int = 10, detect_timeout: float = 60.0,
+                 join_timeout: float = 600.0, backend: str | None = None,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        if admit_every < 1:
+            raise ValueError(f"admit_every={admit_every}: must be 1 or more")
+        if detect_timeout <= 0 or join_timeout <= 0:
+            raise ValueError("detect_timeout and join_timeout must be positive seconds")
+        self.admit_every = admit_every
+        self.detect_timeout = detect_timeout
+        self.join_timeout = join_timeout
+        self.timeout = timeout
+        self.completed = 0
+        self.generation = 0
+        self.history: list[tuple[int, tuple[int, ...]]] = []  # (first step, slots) per generation
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._extra: dict[str, Any] = {}
+        self.active = os.environ.get(SURVIVORS_ENV) == "1"
+        info = init_distributed(backend=backend, timeout=timeout) if not self.active else None
+        if info is not None:
+            self.device, self.backend = info.device, str(info.backend)
+            self.slot, self.slots = dist.get_rank(), dist.get_world_size()
+            self._members = tuple(Member(s, -1) for s in range(self.slots))
+            self.history.append((0, tuple(range(self.slots))))
+            return
+        self.slot, self.slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.device = torch.device(os.environ.get("LOCKSTEP_DEVICE", "cpu"))
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.pid = os.getpid()
+        master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=timedelta(seconds=join_timeout))
+        self._store = job_store(master)
+        self._joining = os.environ.get(JOIN_ENV) == "1"
+        if self._joining:  # a world of one until admitted: the model can be built meanwhile
+            self._members = (Member(self.slot, self.pid),)
+            self._init_group(f"solo/{self.slot}/{self.pid}/", 0, 1)
+            return
+        self._store.set(f"g0/pid/{self.slot}", str(self.pid))
+        self._init_group("g0/pg/", self.slot, self.slots)
+        self._members = tuple(Member(s, int(self._store.get(f"g0/pid/{s}")))
+                              for s in range(self.slots))
+        self.history.append((0, tuple(range(self.slots))))
+
+    # ---- what the loop sees -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current world."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the current world has (fewer than launched while degraded)."""
+        return dist.get_world_size()
+
+    @property
+    def members(self) -> list[int]:
+        """The slots (ranks as launched) in the current world, in rank order."""
+        return [m.slot for m in self._members]
+
+    def track(self, model: Any, optimizer: Any = None, **state: Any) -> None:
+        """What follows the world: ``model`` (lockstep DDP) moves to each new process group;
+        ``model``, ``optimizer`` and every ``state`` object (anything with ``state_dict`` and
+        ``load_state_dict``: an LR scheduler, a sampler) are what a member that fell behind or
+        a replacement receives."""
+        for name, obj in state.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"track({name}=...): {type(obj).__name__} has no "
+                                "state_dict/load_state_dict to send to a replacement")
+        self._model, self._optimizer, self._extra = model, optimizer, state
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Survivors]:
+        """One training step. On a peer's failure the exception is caught, the world re-forms
+        and the step is not counted: the loop runs it again. Any other error propagates."""
+        if self.active and self._joining:
+            self._join()
+        try:
+            yield self
+        except Exception as exc:
+            if not self.active:
+                raise
+            self._recover(exc)
+            return
+        self.completed += 1
+        if self.active and len(self._members) < self.slots and self.completed % self.admit_every == 0:
+            self._admit()
+
+    def finish(self) -> None:
+        """Say the job is done (a replacement still waiting to join then exits) and leave."""
+        if self.active:
+            self._store.set("done", "1")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def batches(self, loader: Iterable, epochs: int) -> Iterator[Any]:
+        """The batches of ``epochs`` passes over ``loader`` (a DataLoader over a
+        :class:`lockstep.DistributedSampler`), re-sharded over each new world.
+
+        Only steps that completed consume samples: after a failure the samples of the failed
+        step are read again, spread over the ranks left.
+        """
+        sampler = getattr(loader, "sampler", None)
+        batch = getattr(loader, "batch_size", None)
+        if sampler is None or not hasattr(sampler, "load_state_dict") or not batch:
+            raise TypeError("batches() needs a DataLoader with a batch_size and a "
+                            "lockstep.DistributedSampler")
+        total = len(sampler.dataset)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            consumed = 0
+            while consumed < total:
+                sampler.num_replicas, sampler.rank = self.world_size, self.rank
+                sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
+                generation = self.generation
+                for item in loader:
+                    before, world = self.completed, self.world_size
+                    yield item
+                    if self.completed > before:  # the step completed: its samples are used
+                        consumed = min(consumed + batch * world, total)
+                    if self.generation != generation:
+                        break  # the world changed: re-shard what is left of the epoch
+                else:
+                    consumed = total  # the pass ended in this world
+
+    # ---- generations -------------------------------------------------------------------
+    def _init_group(self, prefix: str, rank: int, world: int) -> None:
+        store = dist.PrefixStore(prefix, self._store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=self.timeout)
+
+    def _leave_group(self) -> None:
+        if not dist.is_initialized():
+            return
+        abort = getattr(dist.group.WORLD, "abort", None)  # torch >= 2.6: close the sockets now
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.completed}
+        if self._model is not None:
+            state["model"] = self._model.state_dict()
+        if self._optimizer is not None:
+            state["optimizer"] = self._optimizer.state_dict()
+        state["extra"] = {name: obj.state_dict() for name, obj in self._extra.items()}
+        return state
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if self._model is not None:
+            self._model.load_state_dict(state["model"])
+        if self._optimizer is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self._extra.items():
+            obj.load_state_dict(state["extra"][name])
+
+    def _enter(self, proposal: Proposal) -> None:
+        """Make ``proposal`` the world: its process group, the model on it, one state."""
+        self._leave_group()
+        self._init_group(f"g{proposal.generation}/pg/", proposal.rank_of(self.slot),
+                         len(proposal.members))
+        self.generation, self._members = proposal.generation, proposal.members
+        if self._model is not None and hasattr(self._model, "use_process_group"):
+            self._model.use_process_group(None)
+        if any(m.step != proposal.step for m in proposal.members):
+            state = broadcast_state(self._state(), proposal.rank_of(proposal.source), self.device)
+            self._load(state)
+        self.completed = proposal.step
+        self.history.append((proposal.step, tuple(proposal.slots)))
+
+    def _recover(self, exc: Exception) -> None:
+        """After an error in a step: the roll call, then the next generation (or ``exc``)."""
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        while True:
+            generation = self.generation
+            self._leave_group()  # peers still blocked on this process fail at once
+            store = self._store
+            store.set(f"g{generation}/failed", "1")
+            store.set(f"g{generation}/alive/{self.slot}", f"{self.pid},{self.completed}")
+
+            if not store.check([f"g{generation}/next"]):
+                try:
+                    found = wait_until(functools.partial(self._roll_call, generation, False),
+                                       self.detect_timeout, "the roll call")
+                except TimeoutError:
+                    found = self._roll_call(generation, True) or []
+                alive = [m for m in found if m is not None]
+                if len(alive) == len(self._members):
+                    raise exc  # nobody is gone: the error is this program's, not a failure
+                proposal = propose(generation + 1, alive, self._pending(alive))
+                store.compare_set(f"g{generation}/next", "", proposal.encode())
+            winner = Proposal.decode(store.get(f"g{generation}/next").decode())
+            if (self.slot, self.pid) not in [(m.slot, m.pid) for m in winner.members]:
+                raise RuntimeError(
+                    f"lockstep.Survivors: rank {self.slot} was counted gone by its peers "
+                    f"(no answer within detect_timeout={self.detect_timeout:.0f} s); it stops "
+                    "here while they go on") from exc
+            self._announce(winner)
+            try:
+                self._enter(winner)
+                return
+            except Exception as again:  # noqa: BLE001 - a member lost while entering: again
+                exc = again
+
+    def _roll_call(self, generation: int, final: bool) -> list[Member | None] | None:
+        """Each member's answer (None: gone), or None while one has neither answered nor been
+        marked dead by the launcher (``final``: count those gone too)."""
+        store, found = self._store, []
+        for m in self._members:
+            key = f"g{generation}/alive/{m.slot}"
+            if store.check([key]):
+                pid, step = store.get(key).decode().split(",")
+                found.append(Member(m.slot, int(pid), int(step)) if int(pid) == m.pid else None)
+            elif final or store.check([f"dead/{m.pid}"]):
+                found.append(None)  # marked dead by the launcher, or never answered
+            else:
+                return None
+        return found
+
+    def _pending(self, alive: list[Member]) -> list[Member]:
+        """Replacements waiting for a slot that no alive member holds (and still running)."""
+        taken = {m.slot for m in alive}
+        joining = []
+        for slot in range(self.slots):
+            if slot in taken or not self._store.check([f"join/{slot}"]):
+                continue
+            pid = int(self._store.get(f"join/{slot}"))
+            if not self._store.check([f"dead/{pid}"]):
+                joining.append(Member(slot, pid, -1))
+        return joining
+
+    def _announce(self, proposal: Proposal) -> None:
+        """Tell the replacements in ``proposal`` which generation they are in."""
+        for m in proposal.members:
+            if m.step == -1:
+                self._store.set(f"admitted/{m.slot}/{m.pid}", proposal.encode())
+
+    def _admit(self) -> None:
+        """A step boundary while the world is short: the first member admits replacements."""
+        generation, key = self.generation, f"g{self.generation}/admit/{self.completed}"
+        if self._members[0].slot == self.slot:
+            me = [Member(m.slot, m.pid, self.completed) for m in self._members]
+            joining = self._pending(me)
+            decision = propose(generation + 1, me, joining).encode() if joining else "none"
+            if joining:
+                self._store.compare_set(f"g{generation}/next", "", decision)
+            self._store.set(key, decision)
+        store = self._store
+
+        def decided() -> str | None:
+            if store.check([key]):
+                return store.get(key).decode()
+            return "failed" if store.check([f"g{generation}/failed"]) else None
+
+        decision = wait_until(decided, self.detect_timeout, "the first member's admission")
+        if decision == "none":
+            return
+        winner = Proposal.decode(store.get(f"g{generation}/next").decode())
+        if decision != winner.encode():  # a failure won the race: recover instead
+            self._recover(RuntimeError("a member failed during an admission"))
+            return
+        self._announce(winner)
+        self._enter(winner)
+
+    def _join(self) -> None:
+        """A replacement's first step: ask for the slot, wait to be admitted, take the state."""
+        store = self._store
+        store.set(f"join/{self.slot}", str(self.pid))
+        key = f"admitted/{self.slot}/{self.pid}"
+
+        def admitted() -> str | None:
+            if store.check([key]):
+                return store.get(key).decode()
+            return "done" if store.check(["done"]) else None
+
+        found = wait_until(admitted, self.join_timeout, f"admission to slot {self.slot}", 0.05)
+        if found == "done":
+            raise SystemExit(0)  # the job finished before this replacement was needed
+        self._joining = False
+        self._enter(Proposal.decode(found))
