@@ -175,6 +175,17 @@ def test_the_input_layer_cannot_hide_so_it_adds_its_whole_all_reduce():
     assert uniform.exposed_comm_s < tail.exposed_comm_s
 
 
+def test_cli_input_params_prices_the_last_bucket(capsys):
+    args = ["plan", "--params", "100M", "--step-time", "3", "--dtype", "float32", "--link",
+            "0us@1GB/s:2", "--gpus", "2", "--strategies", "ddp", "--no-intervals", "--json", "-"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["predictions"][0]
+    assert main(args + ["--input-params", "25M"]) == 0
+    tail = json.loads(capsys.readouterr().out)["predictions"][0]
+    # The 100 MB input layer's all-reduce (0.1 s at 1 GB/s, n = 2) is exposed on top.
+    assert tail["exposed_comm_s"] - plain["exposed_comm_s"] > 0.09
+
+
 def test_local_sgd_amortises_and_dp_stays_in_one_node():
     w = describe(1e6, step_time=0.3, dtype="float32")
     topo = parse_topology("pcie4:4,eth10x1")

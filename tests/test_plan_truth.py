@@ -153,7 +153,24 @@ def test_published_rows_carry_their_citation():
         assert row["url"].startswith("https://") and row["quote"] and row["user_knew"]
         parse_topology(row["link"])  # what a user would pass to --link
     sources = {f["source"] for f in doc["calibration"]["facts"]}
-    assert sources <= {r["source"] for r in doc["rows"]} | {"NVIDIA/nccl#209"}
+    assert sources <= {r["source"] for r in doc["rows"]} | {
+        "NVIDIA/nccl#209", "NVIDIA/nccl#1639", "NCCL src/graph/topo.h"}
+
+
+def test_transport_efficiency_ranges_are_the_min_median_max_of_the_cited_facts():
+    import json
+    import statistics
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+                      / "busbw.json").read_text())
+    for name in ("tcp", "rdma", "pcie"):
+        values = sorted(v for f in doc["calibration"]["facts"] if f["transport"] == name
+                        for v in f["efficiency"])
+        lo, mid, hi = TRANSPORTS[name].efficiency
+        assert (lo, hi) == (values[0], values[-1])
+        assert mid == pytest.approx(statistics.median(values), abs=0.006)
+    # PCIe: NCCL's own 3/4 of the line (topo.h's PCI_BW 12 of 15.75 GB/s) is the high end.
+    assert TRANSPORTS["pcie"].efficiency[2] == pytest.approx(12 / 15.75, abs=0.005)
 
 
 def test_profile_per_rank_phases_give_the_spread(tmp_path):

@@ -175,9 +175,12 @@ def describe(parameters: float, *, step_time: float | None = None,
     buckets = (synthetic_buckets(int(parameters) * width, backward,
                                  last_bytes=input_parameters * width)
                if width and input_parameters > 0 else ())
+    note = (f"the input layer's {input_parameters * width:,.0f} bytes of gradients: one last "
+            "bucket, ready when backward ends")
     return Workload(parameters=int(parameters), grad_dtype=dtype, forward=step_time / 3,
                     backward=backward, optimizer=optimizer_time, data=data_time,
                     batch_size=batch_size, device=device, source="described", buckets=buckets,
+                    notes=(note,) if buckets else (),
                     buffer_broadcasts=(float(buffer_bytes),) if buffer_bytes > 0 else ())
 
 
