@@ -262,3 +262,19 @@ def test_implied_spread_closes_the_gap_it_was_read_from():
     assert bench.implied_cv(row, params) == pytest.approx(0.04, rel=1e-3)
     row["efficiency"] = 1.5  # better than the no-spread prediction: no spread, not a negative one
     assert bench.implied_cv(row, params) == 0.0
+
+
+def test_default_spread_is_the_min_median_max_over_every_published_row():
+    """DEFAULT_CV is bench_plan_scaling.calibrated_cv over all 108 rows, to three decimals."""
+    import importlib.util
+
+    from lockstep.plan.stragglers import DEFAULT_CV
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_plan_scaling", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    params = {name: count() for name, count in bench.MODELS.items()}
+    got = bench.calibrated_cv(_published_scaling(), params)
+    assert DEFAULT_CV == pytest.approx(got, abs=5e-4)
