@@ -80,8 +80,9 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in [
     Transport("nvlink", (0.8, 0.8, 1.0), (10e-6, 20e-6, 46e-6),
               "NVIDIA/nccl#412, NVIDIA/nccl-tests#212; per-message cost assumed"),
     # PCIe. NCCL's own topology model prices a x16 link at 3/4 of its line rate (src/graph/topo.h:
-    # "#define PCI_BW 12.0 // PCI Gen3 x16", 12 of 15.75 GB/s: 0.76; Gen4 and Gen5 scale the
-    # same) and GPU-to-GPU traffic through an Intel host bridge at a fifth more bytes
+    # "#define PCI_BW 12.0 // PCI Gen3 x16", 12 of 15.75 GB/s: 0.76; src/graph/topo.cc gives a
+    # link width * kvDictPciGen / 80, "8 GT/s" 60, "16 GT/s" 120, "32 GT/s" 240: 12 / 24 / 48
+    # GB/s for x16 Gen3 / 4 / 5, the same 0.76 of 15.75 / 31.5 / 63) and GPU-to-GPU traffic through an Intel host bridge at a fifth more bytes
     # ("INTEL_P2P_OVERHEAD(bw) (bw*6/5)": 0.635). NVIDIA/nccl#1639, 8 RTX 5090 on PCIe 5
     # (63 GB/s): "8 GPU max performance : bwbus 28GB/s" (0.44), "4GPU max performance : bwbus
     # 35GB/s" (0.56); the maintainer: "On PCI systems, the performance you get is usually
