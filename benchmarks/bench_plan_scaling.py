@@ -120,6 +120,25 @@ MODELS = {"resnet50": lambda: resnet_params((3, 4, 6, 3)),
           "inception_v3": inception_v3_params}
 
 
+def _count(*modules: nn.Module) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
+# The input layer of each model, counted on torch.nn: backward computes its gradient last, so
+# ``describe(input_parameters=...)`` makes it a last bucket ready at the end of backward. BERT's
+# embeddings (token, position, type, their LayerNorm: 23.8M of 110.1M; the MLM decoder is tied to
+# the token embedding, whose gradient is complete only then); a ResNet's 7x7 stem and its batch
+# norm; Inception v3's first 3x3 convolution and batch norm.
+INPUT_LAYERS = {"resnet50": lambda: _count(nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+                                           nn.BatchNorm2d(64)),
+                "resnext101_32x4d": lambda: INPUT_LAYERS["resnet50"](),
+                "se_resnext101_32x4d": lambda: INPUT_LAYERS["resnet50"](),
+                "resnet152": lambda: INPUT_LAYERS["resnet50"](),
+                "bert_base": lambda: _count(nn.Embedding(30522, 768), nn.Embedding(512, 768),
+                                            nn.Embedding(2, 768), nn.LayerNorm(768)),
+                "inception_v3": lambda: _count(*_conv_bn(3, 32, 3, 2))}
+
+
 def implied_cv(row: dict, params: dict[str, int]) -> float:
     """The step-time spread that, priced as the wait for the slowest of N (order statistics of a
     normal), closes the gap between the no-spread prediction and the published row:
@@ -141,7 +160,8 @@ def predict_row(row: dict, params: dict[str, int], cv: float | None = None,
     dtype = "float16" if row["source"].startswith("DLE MXNet") and row["precision"] == "amp" \
         else "float32"
     work = describe(params[row["model"]], step_time=row["batch_per_gpu"] / row["throughput_1gpu"],
-                    batch_size=row["batch_per_gpu"], dtype=dtype)
+                    batch_size=row["batch_per_gpu"], dtype=dtype,
+                    input_parameters=INPUT_LAYERS[row["model"]]())
     options = PlanOptions(step_cv=cv, default_cv=default_cv or DEFAULT_CV)
     result = plan(work, parse_topology(row["link"]), gpus=[row["gpus"]], strategies="ddp",
                   options=options, intervals=True)

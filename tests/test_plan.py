@@ -137,6 +137,55 @@ def test_compression_scales_bytes_and_adds_codec_time():
     assert half.exposed_comm_s == pytest.approx(3.0)
 
 
+def test_input_layer_is_a_last_bucket_ready_at_the_end_of_backward():
+    from lockstep.plan.workload import MB, synthetic_buckets
+
+    # 60 MB of gradients, 20 MB of them the input layer's: 40 MB arrive at a constant rate
+    # (1 MB first, then 25 MB, then the 14 MB rest), then one 20 MB bucket at the end.
+    b = synthetic_buckets(60 * MB, 0.6, last_bytes=20 * MB)
+    assert [x.nbytes / MB for x in b] == pytest.approx([1, 25, 14, 20])
+    assert [x.ready for x in b] == pytest.approx([0.6 / 40, 0.6 * 26 / 40, 0.6, 0.6])
+    assert synthetic_buckets(60 * MB, 0.6) == synthetic_buckets(60 * MB, 0.6, last_bytes=0)
+    with pytest.raises(ValueError, match="last_bytes"):
+        synthetic_buckets(1 * MB, 0.6, last_bytes=2 * MB)
+    # describe(): the input layer's parameters at the gradient dtype's width.
+    w = describe(10e6, step_time=0.3, dtype="float32", input_parameters=4e6)
+    assert sum(x.nbytes for x in w.buckets) == pytest.approx(40e6)
+    assert w.buckets[-1] == Bucket(16e6, pytest.approx(0.2))
+    assert describe(10e6, step_time=0.3).buckets == describe(10e6, step_time=0.3,
+                                                              input_parameters=0).buckets
+    with pytest.raises(ValueError, match="input_parameters"):
+        describe(10e6, step_time=0.3, input_parameters=11e6)
+
+
+def test_the_input_layer_cannot_hide_so_it_adds_its_whole_all_reduce():
+    topo = Topology(Link("slow", 0.0, 1e9), 2)
+    free = PlanOptions(codec_bandwidth=1e18)  # no bucket copies: the link alone
+    uniform = predict(describe(100e6, step_time=3.0, dtype="float32"), topo, 2,
+                      parse_strategy("ddp"), free)
+    tail = predict(describe(100e6, step_time=3.0, dtype="float32", input_parameters=25e6),
+                   topo, 2, parse_strategy("ddp"), free)
+    # Ring all-reduce at n = 2 moves S bytes at 1 GB/s: each bucket is done before the next is
+    # ready, but the 100 MB input layer (0.1 s) and the rest of the 300 MB before it (300 MB -
+    # 276 MiB, ready at the same moment) start only when backward ends.
+    from lockstep.plan.workload import MB
+
+    rest = 300e6 - 276 * MB
+    assert tail.exposed_comm_s == pytest.approx((rest + 100e6) / 1e9, rel=1e-6)
+    assert uniform.exposed_comm_s < tail.exposed_comm_s
+
+
+def test_cli_input_params_prices_the_last_bucket(capsys):
+    args = ["plan", "--params", "100M", "--step-time", "3", "--dtype", "float32", "--link",
+            "0us@1GB/s:2", "--gpus", "2", "--strategies", "ddp", "--no-intervals", "--json", "-"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["predictions"][0]
+    assert main(args + ["--input-params", "25M"]) == 0
+    tail = json.loads(capsys.readouterr().out)["predictions"][0]
+    # The 100 MB input layer's all-reduce (0.1 s at 1 GB/s, n = 2) is exposed on top.
+    assert tail["exposed_comm_s"] - plain["exposed_comm_s"] > 0.09
+
+
 def test_local_sgd_amortises_and_dp_stays_in_one_node():
     w = describe(1e6, step_time=0.3, dtype="float32")
     topo = parse_topology("pcie4:4,eth10x1")

@@ -153,7 +153,24 @@ def test_published_rows_carry_their_citation():
         assert row["url"].startswith("https://") and row["quote"] and row["user_knew"]
         parse_topology(row["link"])  # what a user would pass to --link
     sources = {f["source"] for f in doc["calibration"]["facts"]}
-    assert sources <= {r["source"] for r in doc["rows"]} | {"NVIDIA/nccl#209"}
+    assert sources <= {r["source"] for r in doc["rows"]} | {
+        "NVIDIA/nccl#209", "NVIDIA/nccl#1639", "NCCL src/graph/topo.h"}
+
+
+def test_transport_efficiency_ranges_are_the_min_median_max_of_the_cited_facts():
+    import json
+    import statistics
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+                      / "busbw.json").read_text())
+    for name in ("tcp", "rdma", "pcie"):
+        values = sorted(v for f in doc["calibration"]["facts"] if f["transport"] == name
+                        for v in f["efficiency"])
+        lo, mid, hi = TRANSPORTS[name].efficiency
+        assert (lo, hi) == (values[0], values[-1])
+        assert mid == pytest.approx(statistics.median(values), abs=0.006)
+    # PCIe: NCCL's own 3/4 of the line (topo.h's PCI_BW 12 of 15.75 GB/s) is the high end.
+    assert TRANSPORTS["pcie"].efficiency[2] == pytest.approx(12 / 15.75, abs=0.005)
 
 
 def test_profile_per_rank_phases_give_the_spread(tmp_path):
@@ -245,3 +262,19 @@ def test_implied_spread_closes_the_gap_it_was_read_from():
     assert bench.implied_cv(row, params) == pytest.approx(0.04, rel=1e-3)
     row["efficiency"] = 1.5  # better than the no-spread prediction: no spread, not a negative one
     assert bench.implied_cv(row, params) == 0.0
+
+
+def test_default_spread_is_the_min_median_max_over_every_published_row():
+    """DEFAULT_CV is bench_plan_scaling.calibrated_cv over all 108 rows, to three decimals."""
+    import importlib.util
+
+    from lockstep.plan.stragglers import DEFAULT_CV
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_plan_scaling", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    params = {name: count() for name, count in bench.MODELS.items()}
+    got = bench.calibrated_cv(_published_scaling(), params)
+    assert DEFAULT_CV == pytest.approx(got, abs=5e-4)

@@ -77,6 +77,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_argument("--buffer-bytes", type=parse_count, default=0.0,
                          help="bytes of module buffers (BatchNorm statistics) DDP broadcasts "
                          "before every forward, e.g. 40k (default 0)")
+    what_if.add_argument("--input-params", type=parse_count, default=0.0,
+                         help="parameters of the input layer (a transformer's embeddings, e.g. "
+                         "23.8M for BERT-base): their gradient is ready only when backward "
+                         "ends, so their all-reduce is priced as never hidden (default 0)")
     parser.add_argument("--json", dest="json_path", help="write the plan as JSON here ('-': stdout)")
     parser.add_argument("--png", dest="png_path", help="write the efficiency plot here")
 
@@ -95,7 +99,7 @@ def _workload(args: argparse.Namespace):  # -> Workload
     return describe(args.params, step_time=args.step_time, flops_per_sample=args.flops_per_sample,
                     gpu_flops=gpu_flops, utilization=args.mfu, batch_size=args.batch_size or 1,
                     dtype=args.dtype, optimizer_time=args.optimizer_time,
-                    buffer_bytes=args.buffer_bytes)
+                    buffer_bytes=args.buffer_bytes, input_parameters=args.input_params)
 
 
 def _topology(args: argparse.Namespace, workload, measured):  # -> Topology

@@ -72,11 +72,27 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in [
     # 2-32 MB rows give an intercept of about 67 us (113.2 us at 2 MB, 812.3 us at 32 MB).
     Transport("rdma", (0.64, 0.96, 0.976), (46e-6, 47e-6, 67e-6),
               "NVIDIA/nccl-tests#29, NVIDIA/nccl#412, NVIDIA/nccl#1244, NVIDIA/nccl-tests#232"),
-    # NVLink: NVIDIA/nccl#412 "~160GB/s intra-node" on A800 (NVLink 400 GB/s both ways: 0.8).
-    # The high end assumes the full line; the per-message cost is the RDMA floor's low end.
-    Transport("nvlink", (0.8, 0.8, 1.0), (10e-6, 20e-6, 46e-6), "NVIDIA/nccl#412 (0.8); assumed range"),
-    # PCIe peer-to-peer: no public figure found yet; the NVLink range is assumed.
-    Transport("pcie", (0.8, 0.8, 1.0), (10e-6, 20e-6, 46e-6), "assumed as nvlink (no source yet)"),
+    # NVLink: NVIDIA/nccl#412 "~160GB/s intra-node" on A800 (NVLink 400 GB/s both ways: 0.8);
+    # NVIDIA/nccl-tests#212, the maintainer on H100: "450GB/s is the line rate. With the protocol
+    # overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (0.82) and, with
+    # NVLink SHARP, "On 8 GPUs, you should reach a peak busBw of ~480GB/s" (above the line: the
+    # high end, capped at 1.0). The per-message cost is the RDMA floor's low end (assumed).
+    Transport("nvlink", (0.8, 0.8, 1.0), (10e-6, 20e-6, 46e-6),
+              "NVIDIA/nccl#412, NVIDIA/nccl-tests#212; per-message cost assumed"),
+    # PCIe. NCCL's own topology model prices a x16 link at 3/4 of its line rate (src/graph/topo.h:
+    # "#define PCI_BW 12.0 // PCI Gen3 x16", 12 of 15.75 GB/s: 0.76; src/graph/topo.cc gives a
+    # link width * kvDictPciGen / 80, "8 GT/s" 60, "16 GT/s" 120, "32 GT/s" 240: 12 / 24 / 48
+    # GB/s for x16 Gen3 / 4 / 5, the same 0.76 of 15.75 / 31.5 / 63) and GPU-to-GPU traffic through an Intel host bridge at a fifth more bytes
+    # ("INTEL_P2P_OVERHEAD(bw) (bw*6/5)": 0.635). NVIDIA/nccl#1639, 8 RTX 5090 on PCIe 5
+    # (63 GB/s): "8 GPU max performance : bwbus 28GB/s" (0.44), "4GPU max performance : bwbus
+    # 35GB/s" (0.56); the maintainer: "On PCI systems, the performance you get is usually
+    # determined by the bandwidth your CPU and memory can deliver". NVIDIA/nccl-tests#232, one
+    # GPU's PCIe 5 link binding a 2-node all-reduce: 0.67 of it at 32 MB (a lower bound on the
+    # large-message figure). Range: min / median / max of the five. The per-message cost is
+    # NVLink's (no PCIe figure).
+    Transport("pcie", (0.44, 0.635, 0.76), (10e-6, 20e-6, 46e-6),
+              "NCCL src/graph/topo.h (PCI_BW, INTEL_P2P_OVERHEAD), NVIDIA/nccl#1639, "
+              "NVIDIA/nccl-tests#232"),
 ]}
 
 _BY_PREFIX = (("eth", "tcp"), ("roce", "rdma"), ("ib-", "rdma"), ("nvlink", "nvlink"),

@@ -104,15 +104,29 @@ class Workload:
 
 
 def synthetic_buckets(grad_bytes: float, backward: float, cap_bytes: float = 25 * MB,
-                      first_cap_bytes: float = 1 * MB) -> tuple[Bucket, ...]:
+                      first_cap_bytes: float = 1 * MB, last_bytes: float = 0.0
+                      ) -> tuple[Bucket, ...]:
     """DDP's buckets when only the total is known: 1 MB first, then 25 MB; gradients assumed to
-    arrive at a constant rate in bytes over backward, so a bucket is ready when its last byte is."""
+    arrive at a constant rate in bytes over backward, so a bucket is ready when its last byte is.
+
+    ``last_bytes`` (the input layer's gradient: an embedding) are computed last by backward, so
+    they are ready only when it ends; DDP fills buckets in the reverse order of the parameters
+    and gives a tensor larger than the cap a bucket of its own (PyTorch's DDP design note,
+    docs.pytorch.org/docs/stable/notes/ddp.html). They make one last bucket ready at
+    ``backward``; the other ``grad_bytes - last_bytes`` arrive at a constant rate before it.
+    """
+    if not 0 <= last_bytes <= grad_bytes:
+        raise ValueError(f"last_bytes must be between 0 and grad_bytes ({grad_bytes}), got "
+                         f"{last_bytes}")
+    body = grad_bytes - last_bytes
     buckets: list[Bucket] = []
     done = 0.0
-    while done < grad_bytes:
-        size = min(first_cap_bytes if not buckets else cap_bytes, grad_bytes - done)
+    while done < body:
+        size = min(first_cap_bytes if not buckets else cap_bytes, body - done)
         done += size
-        buckets.append(Bucket(size, backward * done / grad_bytes))
+        buckets.append(Bucket(size, backward * done / body))
+    if last_bytes > 0:
+        buckets.append(Bucket(last_bytes, backward))
     return tuple(buckets)
 
 
@@ -120,7 +134,8 @@ def describe(parameters: float, *, step_time: float | None = None,
              flops_per_sample: float | None = None, gpu_flops: float | None = None,
              utilization: float = 0.4, batch_size: int = 1, dtype: str = "bfloat16",
              optimizer_time: float = 0.0, data_time: float = 0.0,
-             device: str = "cuda", buffer_bytes: float = 0.0) -> Workload:
+             device: str = "cuda", buffer_bytes: float = 0.0,
+             input_parameters: float = 0.0) -> Workload:
     """A what-if workload from a model's size and either its measured or its computed step time.
 
     Args:
@@ -131,6 +146,11 @@ def describe(parameters: float, *, step_time: float | None = None,
         dtype: dtype of the reduced gradients.
         buffer_bytes: bytes of the module's buffers (BatchNorm's running statistics), which
             DDP broadcasts from rank 0 before every forward, priced as one message.
+        input_parameters: parameters of the input layer (a transformer's token, position and
+            type embeddings; a convnet's first convolution). Backward computes their gradient
+            last, so it is ready only when backward ends and its all-reduce cannot hide: it is
+            priced as a last bucket of its own, ready at the end of backward (the rest arrive
+            at a constant rate). 0 (the default): the old uniform arrival.
 
     Forward takes a third of the compute and backward two thirds (backward computes gradients
     with respect to both activations and weights).
@@ -147,9 +167,20 @@ def describe(parameters: float, *, step_time: float | None = None,
         raise ValueError(f"step time must be positive, got {step_time}")
     if not buffer_bytes >= 0:
         raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
+    if not 0 <= input_parameters <= parameters:
+        raise ValueError(f"input_parameters must be between 0 and the parameter count "
+                         f"({parameters}), got {input_parameters}")
+    backward = 2 * step_time / 3
+    width = DTYPE_BYTES.get(dtype, 0)
+    buckets = (synthetic_buckets(int(parameters) * width, backward,
+                                 last_bytes=input_parameters * width)
+               if width and input_parameters > 0 else ())
+    note = (f"the input layer's {input_parameters * width:,.0f} bytes of gradients: one last "
+            "bucket, ready when backward ends")
     return Workload(parameters=int(parameters), grad_dtype=dtype, forward=step_time / 3,
-                    backward=2 * step_time / 3, optimizer=optimizer_time, data=data_time,
-                    batch_size=batch_size, device=device, source="described",
+                    backward=backward, optimizer=optimizer_time, data=data_time,
+                    batch_size=batch_size, device=device, source="described", buckets=buckets,
+                    notes=(note,) if buckets else (),
                     buffer_broadcasts=(float(buffer_bytes),) if buffer_bytes > 0 else ())
 
 
