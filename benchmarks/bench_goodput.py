@@ -10,9 +10,13 @@ Modes: ``torchrun`` (torch's DDP, ``torch.save`` by rank 0, ``torchrun --max-res
 usual recipe), ``lockstep`` (``lockstep run --max-restarts``, blocking ``Checkpointer``) and
 ``lockstep-async`` (the same with asynchronous saves, the default), ``lockstep-memory``
 (asynchronous, ``Checkpointer(memory=True)``: restores read ``/dev/shm``) and
-``lockstep-memory-every-step`` (the same, saving every step). Prints one table row per
-mode: steps without and with kills, goodput (their ratio), kills, and training time lost per
-kill, ``(steps without - steps with) / failure-free steps per second / kills``.
+``lockstep-memory-every-step`` (the same, saving every step), ``lockstep-survivors``
+(``lockstep run --survivors``, ``lockstep.Survivors``, no checkpoint: the survivors go on in a
+smaller world, a replacement joins with a peer's state). Prints one table row per
+mode: steps without and with kills, goodput (their ratio), sample goodput (the same for samples
+trained on: in ``lockstep-survivors`` mode a step run by fewer ranks trains on fewer samples;
+elsewhere the two are equal), kills, and training time lost per kill, ``(steps without - steps
+with) / failure-free steps per second / kills``.
 
 A second table splits the time lost per kill into its parts, measured from the events that
 ``goodput_train.py`` appends to ``events-rank<r>.jsonl`` (wall-clock ``time.time()``) and the
@@ -68,6 +72,7 @@ MODES: dict[str, tuple[str, int | None]] = {
     "lockstep-async": ("lockstep-async", None),
     "lockstep-memory": ("lockstep-memory", None),
     "lockstep-memory-every-step": ("lockstep-memory", 1),
+    "lockstep-survivors": ("lockstep-survivors", None),
 }
 # The split's parts: (name, the event that ends it, in the replacement processes).
 PARTS = [("detection+restart", "spawn"), ("import", "imported"), ("rendezvous", "initialised"),
@@ -89,6 +94,7 @@ class Run:
     deadline: float
     kills: list[tuple[float, int]]  # (time, victim rank) per kill
     processes: dict[int, list[Process]]  # rank -> its processes, in order of creation
+    samples: int  # rank batches trained on: steps x world, fewer where steps ran degraded
 
 
 def read_events(work: Path, world: int) -> dict[int, list[Process]]:
@@ -157,6 +163,8 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> su
         runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     else:
         runner = [sys.executable, "-m", "lockstep", "run"]
+        if mode == "lockstep-survivors":
+            runner.append("--survivors")
     command = [*runner, "--max-restarts", "1000", "--nproc-per-node", str(world), str(TRAIN),
                "--mode", MODES[mode][0], "--work", str(work), "--deadline", str(deadline),
                "--every", str(MODES[mode][1] or every)]
@@ -195,7 +203,10 @@ def run_once(mode: str, world: int, seconds: float, kill_every: float | None, ev
         if proc.returncode != 0 or not steps_file.exists():
             raise RuntimeError(f"{mode} failed ({proc.returncode}):\n"
                                f"{(work / 'log.txt').read_text()[-3000:]}")
-        run = Run(int(steps_file.read_text()), deadline, kills, read_events(work, world))
+        steps = int(steps_file.read_text())
+        samples_file = work / "samples"  # written by the survivors mode only
+        samples = int(samples_file.read_text()) if samples_file.exists() else steps * world
+        run = Run(steps, deadline, kills, read_events(work, world), samples)
     shutil.rmtree(default_memory_root(work / "ckpt"), ignore_errors=True)  # a killed run's copies
     return run
 
@@ -212,18 +223,21 @@ def main() -> None:
     rng = random.Random(args.seed)
     print(f"world {args.world}, {args.seconds:.0f} s per run, a SIGKILL every "
           f"{args.kill_every:.0f} s, a checkpoint every {args.every} steps")
-    print("| mode | steps, no kills | steps, kills | goodput | kills | lost per kill (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | steps, no kills | steps, kills | goodput | sample goodput | kills "
+          "| lost per kill (s) |")
+    print("|---|---|---|---|---|---|---|")
     split_rows: list[str] = []
+    survivor_rows: list[str] = []
     try:
         for mode in args.modes:
             free_run = run_once(mode, args.world, args.seconds, None, args.every, rng)
             hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng)
             free, hit, kills = free_run.steps, hit_run.steps, len(hit_run.kills)
-            rate = free / args.seconds
-            lost = (free - hit) / rate / kills if kills else 0.0
-            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {kills} | {lost:.2f} |",
-                  flush=True)
+            sampled = hit_run.samples / free_run.samples
+            # Counted in samples: a degraded step (survivors) is not a whole step's training.
+            lost = (1 - sampled) * args.seconds / kills if kills else 0.0
+            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {sampled:.2f} | {kills} "
+                  f"| {lost:.2f} |", flush=True)
             per_step = step_time(free_run)
             found = [split for i in range(kills) if (split := split_kill(hit_run, i, per_step))]
             splits = [parts for parts, _ in found]
@@ -231,8 +245,42 @@ def main() -> None:
             cells = [f"{m:.2f}" for m in [*means, sum(means)]] if splits else ["-"] * (len(PARTS) + 2)
             split_rows.append(f"| {mode} | {len(splits)} of {kills} | {sum(r for _, r in found)} | "
                               f"{per_step * 1e3:.1f} | {' | '.join(cells)} | {lost:.2f} |")
+            if MODES[mode][0] == "lockstep-survivors":
+                survivor_rows.append(survivors_row(mode, hit_run, per_step, lost))
     finally:  # the split of the modes done, even when a later one fails
         print_split(split_rows)
+        if survivor_rows:
+            print("\nSurvivors: per kill (mean seconds): the survivors' pause (the kill -> their "
+                  "next step, less one step), the time degraded (the kill -> the replacement's "
+                  "first step) and the replacement's start (its spawn -> torch and lockstep "
+                  "imported)")
+            print("| mode | kills | step (ms) | pause | degraded | replacement import "
+                  "| lost per kill |")
+            print("|---|---|---|---|---|---|---|")
+            for row in survivor_rows:
+                print(row, flush=True)
+
+
+def survivors_row(mode: str, run: Run, per_step: float, lost: float) -> str:
+    """One row of the survivors' table: the means over the kills whose parts all happened."""
+    pauses, degraded, imports = [], [], []
+    for index, (killed, victim) in enumerate(run.kills):
+        end = run.kills[index + 1][0] if index + 1 < len(run.kills) else run.deadline
+        after = [t for rank, procs in run.processes.items() if rank != victim for p in procs
+                 if p.events["spawn"] < killed for t, _ in p.steps if t > killed]
+        if after:
+            pauses.append(max(0.0, min(after) - killed - per_step))
+        fresh = [p for p in run.processes.get(victim, []) if killed < p.events["spawn"] < end]
+        if fresh and fresh[0].steps:
+            degraded.append(fresh[0].steps[0][0] - killed)
+            if "imported" in fresh[0].events:
+                imports.append(fresh[0].events["imported"] - fresh[0].events["spawn"])
+
+    def mean(values: list[float]) -> str:
+        return f"{sum(values) / len(values):.2f}" if values else "-"
+
+    return (f"| {mode} | {len(run.kills)} | {per_step * 1e3:.1f} | {mean(pauses)} | "
+            f"{mean(degraded)} | {mean(imports)} | {lost:.2f} |")
 
 
 def print_split(split_rows: list[str]) -> None:

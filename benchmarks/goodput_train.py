@@ -8,6 +8,10 @@ same step), saving every ``--every`` steps and resuming from the newest checkpoi
 - ``--mode lockstep-async``: the same with asynchronous saves (the default);
 - ``--mode lockstep-memory``: asynchronous saves, ``Checkpointer(memory=True)``: restores read
   the copies in shared memory (``/dev/shm``).
+- ``--mode lockstep-survivors``: ``lockstep.Survivors`` under ``lockstep run --survivors``: no
+  checkpoint; the survivors keep training in a smaller world, a replacement joins and receives
+  the state from a peer. Rank 0 also writes the samples trained on (``samples``: the sum over
+  steps of the world size, in units of one rank's batch), since degraded steps train on fewer.
 
 With ``--every 1`` the lockstep modes pass ``when_busy="skip"``: a save that finds the previous
 one still being written is skipped, so the loop saves as often as the disk allows.
@@ -77,7 +81,8 @@ class Events:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["torch", "lockstep", "lockstep-async", "lockstep-memory"], required=True)
+    parser.add_argument("--mode", required=True, choices=[
+        "torch", "lockstep", "lockstep-async", "lockstep-memory", "lockstep-survivors"])
     parser.add_argument("--work", required=True)
     parser.add_argument("--deadline", type=float, required=True, help="time.time() to stop at")
     parser.add_argument("--every", type=int, default=20)
@@ -95,11 +100,17 @@ def main() -> None:
         ddp_class = lockstep.DistributedDataParallel
         lockstep.Checkpointer  # noqa: B018
     events("imported")
+    team = None
     if args.mode == "torch":
         dist.init_process_group("gloo")
+    elif args.mode == "lockstep-survivors":
+        team = lockstep.Survivors()
     else:
         lockstep.init_distributed()
     events("initialised")
+    if team is not None:
+        survive(args, team, work, events)
+        return
     rank = dist.get_rank()
     (work / f"pid-rank{rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)
@@ -150,6 +161,54 @@ def main() -> None:
     if rank == 0:
         Path(work / "steps").write_text(str(step))
     dist.destroy_process_group()
+
+
+class Samples:
+    """Rank batches trained on (a step at world size W counts W): travels to a replacement."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
+def survive(args: argparse.Namespace, team: lockstep.Survivors, work: Path, events: Events) -> None:
+    """The loop of ``--mode lockstep-survivors``: every step inside ``team.step()``."""
+    slot = int(os.environ.get("RANK", "0"))
+    (work / f"pid-rank{slot}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
+                        nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 1))
+    model = lockstep.DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    samples = Samples()
+    team.track(model, optimizer, samples=samples)
+    events("built")
+    events("restored", step=team.completed)
+    stop = torch.zeros(1)
+    finished = False
+    while not finished:
+        with team.step():
+            stop.fill_(float(team.rank == 0 and time.time() > args.deadline))
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                finished = True
+            else:
+                generator = torch.Generator().manual_seed(team.completed * 1000 + slot)
+                x = torch.randn(64, args.width, generator=generator)
+                optimizer.zero_grad()
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+                samples.count += team.world_size
+                events("step", step=team.completed + 1)
+    if team.rank == 0:
+        (work / "samples").write_text(str(samples.count))
+        (work / "steps").write_text(str(team.completed - 1))  # the last step only stopped
+    team.finish()
 
 
 if __name__ == "__main__":

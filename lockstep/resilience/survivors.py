@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -36,12 +37,32 @@ import torch.distributed as dist
 
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed
 from lockstep.resilience.roster import Member, Proposal, job_store, propose, wait_until
+from lockstep.resilience.sockets import GroupSockets
 from lockstep.resilience.transfer import broadcast_state
 
-__all__ = ["JOIN_ENV", "SURVIVORS_ENV", "Survivors"]
+__all__ = ["JOIN_ENV", "SURVIVORS_ENV", "Survivors", "is_peer_failure"]
 
 SURVIVORS_ENV = "LOCKSTEP_SURVIVORS"  # "1": the launcher keeps survivors running
 JOIN_ENV = "LOCKSTEP_SURVIVOR_JOIN"  # "1": this process replaces a failed one
+
+
+# What a backend raises when a peer died or cut the connection (gloo, NCCL, the store).
+_PEER_FAILURE = re.compile(
+    r"connection (closed|reset|refused)|closed by peer|reset by peer|broken pipe|read error|"
+    r"write error|timed? ?out|timeout|aborted|socket|peer", re.IGNORECASE)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Did ``exc`` (or an exception it was raised from) come from a failed collective?"""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError) or (
+                isinstance(current, RuntimeError) and _PEER_FAILURE.search(str(current))):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class Survivors:
@@ -86,9 +107,12 @@ class Survivors:
         self.completed = 0
         self.generation = 0
         self.history: list[tuple[int, tuple[int, ...]]] = []  # (first step, slots) per generation
+        self._sockets = GroupSockets()
         self._model: Any = None
         self._optimizer: Any = None
         self._extra: dict[str, Any] = {}
+        self._position = {"epoch": 0, "consumed": 0}  # batches(): where the data stands
+        self._next_consumed: int | None = None
         self.active = os.environ.get(SURVIVORS_ENV) == "1"
         info = init_distributed(backend=backend, timeout=timeout) if not self.active else None
         if info is not None:
@@ -151,11 +175,14 @@ class Survivors:
         try:
             yield self
         except Exception as exc:
-            if not self.active:
-                raise
+            if not self.active or not is_peer_failure(exc):
+                raise  # this program's own error: the process fails, its peers go on
+            self._next_consumed = None
             self._recover(exc)
             return
         self.completed += 1
+        if self._next_consumed is not None:
+            self._position["consumed"], self._next_consumed = self._next_consumed, None
         if self.active and len(self._members) < self.slots and self.completed % self.admit_every == 0:
             self._admit()
 
@@ -170,39 +197,46 @@ class Survivors:
         """The batches of ``epochs`` passes over ``loader`` (a DataLoader over a
         :class:`lockstep.DistributedSampler`), re-sharded over each new world.
 
-        Only steps that completed consume samples: after a failure the samples of the failed
-        step are read again, spread over the ranks left.
+        Only completed steps consume samples: after a failure the failed step's samples are
+        read again, spread over the ranks left. The position in the epoch travels with the
+        state, so a replacement reads on from where its peers are.
         """
         sampler = getattr(loader, "sampler", None)
         batch = getattr(loader, "batch_size", None)
         if sampler is None or not hasattr(sampler, "load_state_dict") or not batch:
             raise TypeError("batches() needs a DataLoader with a batch_size and a "
                             "lockstep.DistributedSampler")
+        if self.active and self._joining:
+            self._join()  # before the first batch: it is drawn in the world joined
         total = len(sampler.dataset)
-        for epoch in range(epochs):
+        while self._position["epoch"] < epochs:
+            epoch, consumed = self._position["epoch"], self._position["consumed"]
             sampler.set_epoch(epoch)
-            consumed = 0
-            while consumed < total:
-                sampler.num_replicas, sampler.rank = self.world_size, self.rank
-                sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
-                generation = self.generation
-                for item in loader:
-                    before, world = self.completed, self.world_size
-                    yield item
-                    if self.completed > before:  # the step completed: its samples are used
-                        consumed = min(consumed + batch * world, total)
-                    if self.generation != generation:
-                        break  # the world changed: re-shard what is left of the epoch
-                else:
-                    consumed = total  # the pass ended in this world
+            sampler.num_replicas, sampler.rank = self.world_size, self.rank
+            sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
+            generation = self.generation
+            for item in loader:
+                # What this step consumes if it completes (counted by step(), before any
+                # admission hands the position to a replacement).
+                self._next_consumed = min(self._position["consumed"] + batch * self.world_size,
+                                          total)
+                yield item
+                self._next_consumed = None
+                if self.generation != generation:
+                    break  # the world changed: re-shard what is left of the epoch
+            else:
+                self._position = {"epoch": epoch + 1, "consumed": 0}
 
     # ---- generations -------------------------------------------------------------------
     def _init_group(self, prefix: str, rank: int, world: int) -> None:
         store = dist.PrefixStore(prefix, self._store)
+        self._sockets.before()
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=self.timeout)
+        self._sockets.after()
 
     def _leave_group(self) -> None:
+        self._sockets.shutdown()  # peers blocked on this rank fail now (see .sockets)
         if not dist.is_initialized():
             return
         abort = getattr(dist.group.WORLD, "abort", None)  # torch >= 2.6: close the sockets now
@@ -213,7 +247,7 @@ class Survivors:
             dist.destroy_process_group()
 
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.completed}
+        state: dict[str, Any] = {"step": self.completed, "position": dict(self._position)}
         if self._model is not None:
             state["model"] = self._model.state_dict()
         if self._optimizer is not None:
@@ -222,6 +256,7 @@ class Survivors:
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
+        self._position = dict(state["position"])
         if self._model is not None:
             self._model.load_state_dict(state["model"])
         if self._optimizer is not None:
@@ -262,7 +297,7 @@ class Survivors:
                     found = self._roll_call(generation, True) or []
                 alive = [m for m in found if m is not None]
                 if len(alive) == len(self._members):
-                    raise exc  # nobody is gone: the error is this program's, not a failure
+                    raise exc  # nobody is gone: not a failure of a peer
                 proposal = propose(generation + 1, alive, self._pending(alive))
                 store.compare_set(f"g{generation}/next", "", proposal.encode())
             winner = Proposal.decode(store.get(f"g{generation}/next").decode())

@@ -1,11 +1,15 @@
-"""A job for tests/test_survivors.py: trains under ``lockstep.Survivors``, optionally killing
-one slot's first process at a step, and saves the final parameters and the world's history.
+"""A job for tests/test_survivors.py: trains under ``lockstep.Survivors`` on a DataLoader over a
+``lockstep.DistributedSampler`` (through ``team.batches``), optionally killing one slot's first
+process at a step, and records what the test compares:
+
+- ``--out``: rank 0's final parameters and the world's history (first step, slots) per world;
+- ``--log-dir``: one line per completed step and process, ``step epoch slot index...`` (the
+  samples it trained on), so the test can replay the same steps and check the sample stream.
 
     lockstep run --survivors --max-restarts 1 --nproc-per-node 3 survivors_train.py \
-        --steps 24 --kill-slot 1 --kill-at 6 --out out.pt
+        --steps 24 --kill-slot 1 --kill-at 6 --out out.pt --log-dir logs
 
-``build`` and ``train_step`` are shared with the test's replay, which runs the same steps on
-the recorded schedule of worlds without killing anything.
+``build``, ``dataset`` and ``train_on`` are shared with the test's replay.
 """
 
 from __future__ import annotations
@@ -13,11 +17,33 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 import lockstep
+
+BATCH = 8
+SAMPLES = 240
+
+
+class Indexed(Dataset):
+    """``SAMPLES`` fixed inputs; an item is ``(index, input)``."""
+
+    def __init__(self) -> None:
+        self.data = dataset()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, self.data[index]
+
+
+def dataset() -> torch.Tensor:
+    return torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(1))
 
 
 def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
@@ -27,9 +53,7 @@ def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     return net, model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, slot: int) -> None:
-    """One step; the data depends on the step and the slot (the rank as launched) only."""
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 1000 + slot))
+def train_on(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
     optimizer.zero_grad()
     model(x).pow(2).mean().backward()
     optimizer.step()
@@ -42,17 +66,24 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--log-dir", required=True)
     args = parser.parse_args()
     team = lockstep.Survivors(admit_every=2)
     net, model, optimizer = build()
     team.track(model, optimizer)
     slot = int(os.environ.get("RANK", "0"))
     replacement = os.environ.get("LOCKSTEP_SURVIVOR_JOIN") == "1"
-    while team.completed < args.steps:
+    sampler = lockstep.DistributedSampler(Indexed(), shuffle=True, seed=0)
+    loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
+    log = (Path(args.log_dir) / f"slot{slot}-{os.getpid()}.txt").open("w", buffering=1)
+    for indices, x in team.batches(loader, epochs=1000):
+        if team.completed >= args.steps:
+            break
         with team.step():
             if slot == args.kill_slot and team.completed == args.kill_at and not replacement:
                 os.kill(os.getpid(), 9)
-            train_step(model, optimizer, team.completed, slot)
+            train_on(model, optimizer, x)
+            print(team.completed, sampler.epoch, slot, *indices.tolist(), file=log)
             # Slow while the world is short: room for the replacement to start before the end.
             time.sleep(args.sleep if team.world_size == team.slots else 0.5)
     if team.rank == 0:
