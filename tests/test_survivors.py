@@ -4,15 +4,19 @@ the result is the run that was given the same schedule of worlds, bit for bit.""
 from __future__ import annotations
 
 import importlib.util
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import lockstep
 from lockstep.resilience.roster import Member, Proposal, propose
+from lockstep.resilience.sockets import GroupSockets
+from lockstep.resilience.survivors import is_peer_failure
 
 SCRIPT = Path(__file__).parent / "scripts" / "survivors_train.py"
 
@@ -123,3 +127,50 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_p
     replayed = torch.load(state, weights_only=True)["params"]
     for got, want in zip(result["params"], replayed, strict=True):
         assert torch.equal(got, want)
+
+
+def test_peer_failures_are_told_from_the_programs_own_errors() -> None:
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise RuntimeError("DDP gradient all-reduce (bucket 0 of 1) failed") from inner
+    except RuntimeError as wrapped:
+        assert is_peer_failure(wrapped)  # found through the cause
+    assert is_peer_failure(dist.DistNetworkError("store went away"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("bad batch"))
+
+
+def test_group_sockets_shut_down_the_connections_opened_between_the_marks() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    noted = GroupSockets()
+    noted.before()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    noted.after()
+    try:
+        assert client.fileno() in noted.sockets and accepted.fileno() in noted.sockets
+        assert server.fileno() not in noted.sockets  # opened before the first mark
+        assert noted.shutdown() == 2
+        client.settimeout(5)
+        assert client.recv(1) == b""  # the peer sees the connection closed, at once
+        assert noted.shutdown() == 0  # nothing noted any more
+    finally:
+        for sock in (client, accepted, server):
+            sock.close()
+
+
+def test_use_process_group_refuses_a_model_whose_hook_names_the_old_group() -> None:
+    team = lockstep.Survivors()
+    try:
+        model = lockstep.DistributedDataParallel(torch.nn.Linear(2, 2))
+        model.use_process_group(None)  # a world of one: nothing to rebuild, accepted
+        model.register_comm_hook(None, lambda state, bucket: None)
+        with pytest.raises(RuntimeError, match="registered comm hook"):
+            model.use_process_group(None)
+        with pytest.raises(TypeError, match="state_dict"):
+            team.track(model, counter=object())
+    finally:
+        team.finish()

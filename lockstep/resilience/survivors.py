@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed
+from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, resolve_device
+from lockstep.env import default_backend
 from lockstep.resilience.roster import Member, Proposal, job_store, propose, wait_until
 from lockstep.resilience.sockets import GroupSockets
 from lockstep.resilience.transfer import broadcast_state
@@ -122,8 +123,11 @@ class Survivors:
             self.history.append((0, tuple(range(self.slots))))
             return
         self.slot, self.slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.device = torch.device(os.environ.get("LOCKSTEP_DEVICE", "cpu"))
-        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.device = resolve_device(os.environ.get("LOCKSTEP_DEVICE"),
+                                     int(os.environ.get("LOCAL_RANK", "0")))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = backend or default_backend(self.device)
         self.pid = os.getpid()
         master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                is_master=False, timeout=timedelta(seconds=join_timeout))
