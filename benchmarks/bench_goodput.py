@@ -253,7 +253,7 @@ def main() -> None:
             print("\nSurvivors: per kill (mean seconds): the survivors' pause (the kill -> their "
                   "next step, less one step), the time degraded (the kill -> the replacement's "
                   "first step) and the replacement's start (its spawn -> torch and lockstep "
-                  "imported)")
+                  "imported; a warm spare did that before the kill)")
             print("| mode | kills | step (ms) | pause | degraded | replacement import "
                   "| lost per kill |")
             print("|---|---|---|---|---|---|---|")
@@ -270,7 +270,9 @@ def survivors_row(mode: str, run: Run, per_step: float, lost: float) -> str:
                  if p.events["spawn"] < killed for t, _ in p.steps if t > killed]
         if after:
             pauses.append(max(0.0, min(after) - killed - per_step))
-        fresh = [p for p in run.processes.get(victim, []) if killed < p.events["spawn"] < end]
+        # The replacement: a new process, or a warm spare given the rank (its "initialised").
+        fresh = [p for p in run.processes.get(victim, [])
+                 if killed < p.events.get("initialised", p.events["spawn"]) < end]
         if fresh and fresh[0].steps:
             degraded.append(fresh[0].steps[0][0] - killed)
             if "imported" in fresh[0].events:

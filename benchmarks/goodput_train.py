@@ -45,6 +45,7 @@ import time
 _START = time.time()  # the script's first line: before importing torch
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,9 +90,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
     work = Path(args.work)
-    events = Events(work)
-    events("spawn", _spawn_time())
-    events("start", _START)
+    spawned = _spawn_time()
+    if args.mode == "lockstep-survivors":  # a warm spare learns its rank in Survivors()
+        early: list[tuple[str, float]] = [("spawn", spawned), ("start", _START)]
+        events: Events | Callable[..., None] = lambda event, t=None, step=None: early.append(
+            (event, time.time() if t is None else t))
+    else:
+        events = Events(work)
+        events("spawn", spawned)
+        events("start", _START)
     # lockstep imports its parts on first use (DistributedDataParallel brings torch._dynamo,
     # seconds on a busy machine): import them here so that "imported" covers every import.
     if args.mode == "torch":
@@ -105,6 +112,9 @@ def main() -> None:
         dist.init_process_group("gloo")
     elif args.mode == "lockstep-survivors":
         team = lockstep.Survivors()
+        events = Events(work)  # RANK is known now
+        for event, t in early:
+            events(event, t)
     else:
         lockstep.init_distributed()
     events("initialised")
@@ -176,7 +186,8 @@ class Samples:
         self.count = state["count"]
 
 
-def survive(args: argparse.Namespace, team: lockstep.Survivors, work: Path, events: Events) -> None:
+def survive(args: argparse.Namespace, team: lockstep.Survivors, work: Path,
+            events: Events | Callable[..., None]) -> None:
     """The loop of ``--mode lockstep-survivors``: every step inside ``team.step()``."""
     slot = int(os.environ.get("RANK", "0"))
     (work / f"pid-rank{slot}").write_text(str(os.getpid()))

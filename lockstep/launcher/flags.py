@@ -38,6 +38,9 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     ("survivors", {"action": "store_true",
                    "help": "one machine: when a worker dies the others keep training and a "
                            "replacement joins (the script uses lockstep.Survivors)"}),
+    ("spares", {"type": int, "default": 1, "metavar": "K",
+                "help": "with --survivors: K warm spare workers, started with the others and "
+                        "waiting with their imports done, to replace a failed one at once"}),
     ("local-ranks-filter", {"default": "", "metavar": "R,...",
                                 "help": "show only these local ranks' output on the console"}),
 )  # fmt: skip

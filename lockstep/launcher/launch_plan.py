@@ -62,6 +62,7 @@ class LaunchPlan:
     log_dir: str | None = None
     local_ranks_filter: frozenset[int] | None = None
     survivors: bool = False  # --survivors: lockstep.launcher.survivors supervises the workers
+    spares: int = 1  # with survivors: warm spare workers
 
     def __post_init__(self) -> None:
         """Refuse a plan that cannot work, however it was built (flags or by hand)."""
@@ -90,6 +91,8 @@ class LaunchPlan:
             raise ValueError(f"--monitor-interval {self.monitor_interval}: must be positive")
         if not self.entrypoint or not self.rdzv_endpoint or not self.rdzv_backend:
             raise ValueError("a launch plan needs an entrypoint, a rendezvous backend and endpoint")
+        if not isinstance(self.spares, int) or self.spares < 0:
+            raise ValueError(f"--spares {self.spares}: must be 0 or more")
         if self.survivors and self.max_nodes != 1:
             raise ValueError(
                 f"--survivors runs on one machine; this job has --nnodes {self.min_nodes}:"
@@ -280,6 +283,7 @@ def plan_from_args(
         log_dir=args.log_dir,
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         survivors=bool(getattr(args, "survivors", False)),
+        spares=getattr(args, "spares", 1),
     )
 
 

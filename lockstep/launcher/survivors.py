@@ -3,20 +3,25 @@
 torch's elastic agent restarts every worker after any failure. Here the launcher hosts the
 job's store itself, starts one process per rank, and when one dies it marks the dead process
 in the store (so the survivors' roll call ends at once, see :mod:`lockstep.resilience`) and
-starts a replacement for that rank with ``LOCKSTEP_SURVIVOR_JOIN=1``, up to ``--max-restarts``
-times. The survivors keep training in a smaller world; the replacement joins at a step
+gives that rank a replacement, up to ``--max-restarts`` times: a warm spare when one waits
+(``--spares``, default 1: a process started with the others that has run the script up to
+``lockstep.Survivors()``, imports done, and waits there for a rank), else a new process with
+``LOCKSTEP_SURVIVOR_JOIN=1``; a used spare is replaced by a new one. The survivors keep training in a smaller world; the replacement joins at a step
 boundary. The job ends when every worker has exited 0; it fails (the others stopped) when a
 worker fails with no restart left or nobody is left alive to take a replacement in.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import IO, TextIO
 
@@ -28,7 +33,7 @@ from lockstep.launcher.output import PrefixWriter
 from lockstep.launcher.spawn import find_free_port
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 from lockstep.resilience.roster import job_store
-from lockstep.resilience.survivors import JOIN_ENV, SURVIVORS_ENV
+from lockstep.resilience.survivors import JOIN_ENV, SPARE_ENV, SURVIVORS_ENV
 
 __all__ = ["supervise"]
 
@@ -42,7 +47,7 @@ class _Relay:
         self._writer = PrefixWriter()
         self._lock = threading.Lock()
 
-    def follow(self, stream: IO[bytes] | None, source: str, prefix: str,
+    def follow(self, stream: IO[bytes] | None, source: str, prefix: Callable[[], str],
                dst: TextIO | None) -> None:
         """Copy ``stream`` to ``dst`` in a thread (``dst`` None: read and drop it)."""
         if stream is None:
@@ -52,7 +57,7 @@ class _Relay:
             while chunk := os.read(stream.fileno(), 65536):
                 if dst is not None:
                     with self._lock:
-                        self._writer.write(source, prefix, chunk.decode(errors="replace"), dst)
+                        self._writer.write(source, prefix(), chunk.decode(errors="replace"), dst)
             stream.close()
 
         threading.Thread(target=pump, daemon=True).start()
@@ -80,87 +85,151 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 
 def supervise(plan: LaunchPlan) -> int:
     """Run ``plan``'s workers on this machine with survivors; returns the exit status."""
-    port = find_free_port()
-    store = job_store(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60)))
-    world = plan.nproc_per_node
-    base = {**os.environ, **plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid()),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": "0",
-            "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": plan.run_id, SURVIVORS_ENV: "1",
-            # This launcher hosts the store and outlives the workers (no waiting for peers'
-            # exit records), and names the dead itself: no progress records, so a failed
-            # collective raises at once instead of watching heartbeats for seconds.
-            "TORCHELASTIC_USE_AGENT_STORE": "true", INTERVAL_ENV_VAR: "off"}
-    relay = _Relay()
-
-    def start(rank: int, replacement: bool) -> subprocess.Popen:
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
-        if replacement:
-            env[JOIN_ENV] = "1"
-        proc = subprocess.Popen([plan.entrypoint, *plan.args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
-        shown = plan.local_ranks_filter is None or rank in plan.local_ranks_filter
-        for stream, dst, name in ((proc.stdout, sys.stdout, "out"), (proc.stderr, sys.stderr, "err")):
-            relay.follow(stream, f"{rank}-{proc.pid}-{name}", f"[rank{rank}]: ",
-                         dst if shown else None)
-        return proc
-
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
-    procs = {rank: start(rank, False) for rank in range(world)}
-    replacements: set[int] = set()  # pids of replacements not yet seen admitted
-
-    def training(rank: int, proc: subprocess.Popen) -> bool:
-        """Is this process in the world (not a replacement still waiting to be admitted)?"""
-        if proc.pid in replacements and store.check([f"admitted/{rank}/{proc.pid}"]):
-            replacements.discard(proc.pid)
-        return proc.pid not in replacements
-
-    restarts, finished = 0, set()
+    job = _Job(plan)
     try:
-        while procs:
-            for rank, proc in list(procs.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del procs[rank]
-                if code == 0:
-                    finished.add(rank)
-                    continue
-                store.set(f"dead/{proc.pid}", str(code))
-                print(f"lockstep run: rank {rank} (pid {proc.pid}) {_describe(code)}",
-                      file=sys.stderr, flush=True)
-                alive = any(training(r, p) for r, p in procs.items())
-                if restarts < plan.max_restarts and alive and not finished:
-                    restarts += 1
-                    procs[rank] = start(rank, True)
-                    replacements.add(procs[rank].pid)
-                    print(f"lockstep run: the other ranks go on; a replacement for rank {rank} "
-                          f"joins them (restart {restarts} of {plan.max_restarts})",
-                          file=sys.stderr, flush=True)
-                    continue
-                why = ("no restart left (--max-restarts "
-                       f"{plan.max_restarts})" if restarts >= plan.max_restarts else
-                       "no worker left training to take a replacement in" if not alive else
-                       "other ranks had already finished")
-                print(f"lockstep run: rank {rank} failed and the job stops: {why}.",
-                      file=sys.stderr, flush=True)
-                _stop(procs)
-                return _exit_code(code)
-            time.sleep(plan.monitor_interval)
+        return job.run()
     except _Interrupted as stop:
-        _stop(procs)
+        job.stop_all()
         print(f"lockstep run: stopped by {signal.Signals(stop.signum).name}; every worker was "
               "stopped.", file=sys.stderr)
         return 128 + stop.signum
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
 
 
-def _stop(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM every worker, SIGKILL those still running after a grace period."""
+class _Job:
+    """The workers of one ``--survivors`` job, its warm spares, and what happens at a death."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        port = find_free_port()
+        self.store = job_store(dist.TCPStore("127.0.0.1", port, is_master=True,
+                                             wait_for_workers=False, timeout=timedelta(seconds=60)))
+        world = plan.nproc_per_node
+        self.base = {
+            **os.environ, **plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid()),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+            "ROLE_RANK": "0", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": plan.run_id,
+            SURVIVORS_ENV: "1",
+            # This launcher hosts the store and outlives the workers (no waiting for peers'
+            # exit records), and names the dead itself: no progress records, so a failed
+            # collective raises at once instead of watching heartbeats for seconds.
+            "TORCHELASTIC_USE_AGENT_STORE": "true", INTERVAL_ENV_VAR: "off",
+        }
+        self.relay = _Relay()
+        self.names: dict[int, str] = {}  # pid -> its output prefix
+        self.procs: dict[int, subprocess.Popen] = {}  # rank -> its process
+        self.spares: list[subprocess.Popen] = []  # started, imported, waiting for a rank
+        self.waiting: set[int] = set()  # pids of replacements not yet seen admitted
+        self.restarts = 0
+        self.spares_failed = False
+
+    def start(self, rank: int | None, replacement: bool) -> subprocess.Popen:
+        """A worker for ``rank``, or a spare (``rank`` None) that waits for one."""
+        env = dict(self.base)
+        if rank is None:
+            env[SPARE_ENV] = "1"
+        else:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+        if replacement or rank is None:
+            env[JOIN_ENV] = "1"
+        proc = subprocess.Popen([self.plan.entrypoint, *self.plan.args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.names[proc.pid] = f"[rank{rank}]: " if rank is not None else "[spare]: "
+        shown = self.plan.local_ranks_filter
+        for stream, dst, name in ((proc.stdout, sys.stdout, "out"), (proc.stderr, sys.stderr, "err")):
+            visible = shown is None or rank is None or rank in shown
+            self.relay.follow(stream, f"{proc.pid}-{name}",
+                              functools.partial(self.names.__getitem__, proc.pid),
+                              dst if visible else None)
+        return proc
+
+    def training(self, rank: int, proc: subprocess.Popen) -> bool:
+        """Is this process in the world (not a replacement still waiting to be admitted)?"""
+        if proc.pid in self.waiting and self.store.check([f"admitted/{rank}/{proc.pid}"]):
+            self.waiting.discard(proc.pid)
+        return proc.pid not in self.waiting
+
+    def replace(self, rank: int) -> str:
+        """Give ``rank`` a replacement: a warm spare when one waits, else a new process."""
+        self.restarts += 1
+        if self.spares:
+            spare = self.spares.pop(0)
+            self.store.set(f"spare/{spare.pid}", str(rank))
+            self.names[spare.pid] = f"[rank{rank}]: "
+            self.procs[rank] = spare
+            how = f"a warm spare (pid {spare.pid})"
+            if not self.spares_failed:
+                self.spares.append(self.start(None, True))
+        else:
+            self.procs[rank] = self.start(rank, True)
+            how = "a new process"
+        self.waiting.add(self.procs[rank].pid)
+        return how
+
+    def run(self) -> int:
+        plan = self.plan
+        self.procs = {rank: self.start(rank, False) for rank in range(plan.nproc_per_node)}
+        self.spares = [self.start(None, True) for _ in range(plan.spares)]
+        finished: set[int] = set()
+        while self.procs:
+            for spare in list(self.spares):
+                if spare.poll() is None:
+                    continue
+                self.spares.remove(spare)
+                if spare.returncode != 0:  # a spare that cannot start: no more spares
+                    self.spares_failed = True
+                    print(f"lockstep run: a spare worker (pid {spare.pid}) "
+                          f"{_describe(spare.returncode)} before it was needed; no more spares",
+                          file=sys.stderr, flush=True)
+            for rank, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del self.procs[rank]
+                if code == 0:
+                    finished.add(rank)
+                    continue
+                self.store.set(f"dead/{proc.pid}", str(code))
+                print(f"lockstep run: rank {rank} (pid {proc.pid}) {_describe(code)}",
+                      file=sys.stderr, flush=True)
+                alive = any(self.training(r, p) for r, p in self.procs.items())
+                if self.restarts < plan.max_restarts and alive and not finished:
+                    how = self.replace(rank)
+                    print(f"lockstep run: the other ranks go on; {how} takes rank {rank} "
+                          f"(restart {self.restarts} of {plan.max_restarts})",
+                          file=sys.stderr, flush=True)
+                    continue
+                why = ("no restart left (--max-restarts "
+                       f"{plan.max_restarts})" if self.restarts >= plan.max_restarts else
+                       "no worker left training to take a replacement in" if not alive else
+                       "other ranks had already finished")
+                print(f"lockstep run: rank {rank} failed and the job stops: {why}.",
+                      file=sys.stderr, flush=True)
+                self.stop_all()
+                return _exit_code(code)
+            time.sleep(plan.monitor_interval)
+        self.store.set("done", "1")  # spares still waiting exit on their own
+        _stop({i: p for i, p in enumerate(self.spares)}, grace=_STOP_GRACE_S)
+        return 0
+
+    def stop_all(self) -> None:
+        _stop({**self.procs, **{-1 - i: p for i, p in enumerate(self.spares)}})
+
+
+def _stop(procs: dict[int, subprocess.Popen], grace: float | None = None) -> None:
+    """SIGTERM every worker, SIGKILL those still running after a grace period.
+
+    ``grace``: first wait that long for them to exit on their own, then SIGTERM.
+    """
+    if grace is not None:
+        deadline = time.monotonic() + grace
+        for proc in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
     for proc in procs.values():
         if proc.poll() is None:
             proc.terminate()

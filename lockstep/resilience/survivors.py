@@ -41,10 +41,11 @@ from lockstep.resilience.roster import Member, Proposal, job_store, propose, wai
 from lockstep.resilience.sockets import GroupSockets
 from lockstep.resilience.transfer import broadcast_state
 
-__all__ = ["JOIN_ENV", "SURVIVORS_ENV", "Survivors", "is_peer_failure"]
+__all__ = ["JOIN_ENV", "SPARE_ENV", "SURVIVORS_ENV", "Survivors", "is_peer_failure"]
 
 SURVIVORS_ENV = "LOCKSTEP_SURVIVORS"  # "1": the launcher keeps survivors running
 JOIN_ENV = "LOCKSTEP_SURVIVOR_JOIN"  # "1": this process replaces a failed one
+SPARE_ENV = "LOCKSTEP_SURVIVOR_SPARE"  # "1": a warm spare, waiting for the rank it replaces
 
 
 # What a backend raises when a peer died or cut the connection (gloo, NCCL, the store).
@@ -122,16 +123,18 @@ class Survivors:
             self._members = tuple(Member(s, -1) for s in range(self.slots))
             self.history.append((0, tuple(range(self.slots))))
             return
+        self.pid = os.getpid()
+        master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=timedelta(seconds=join_timeout))
+        self._store = job_store(master)
+        if os.environ.get(SPARE_ENV) == "1":
+            self._wait_for_a_rank()
         self.slot, self.slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = resolve_device(os.environ.get("LOCKSTEP_DEVICE"),
                                      int(os.environ.get("LOCAL_RANK", "0")))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = backend or default_backend(self.device)
-        self.pid = os.getpid()
-        master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                               is_master=False, timeout=timedelta(seconds=join_timeout))
-        self._store = job_store(master)
         self._joining = os.environ.get(JOIN_ENV) == "1"
         if self._joining:  # a world of one until admitted: the model can be built meanwhile
             self._members = (Member(self.slot, self.pid),)
@@ -142,6 +145,23 @@ class Survivors:
         self._members = tuple(Member(s, int(self._store.get(f"g0/pid/{s}")))
                               for s in range(self.slots))
         self.history.append((0, tuple(range(self.slots))))
+
+    def _wait_for_a_rank(self) -> None:
+        """A warm spare: finish the imports a worker needs, then wait for the launcher to name
+        the rank this process replaces (``RANK``/``LOCAL_RANK`` are set then), or for the end."""
+        import lockstep.ddp.wrapper  # noqa: F401 - DDP's imports (torch._dynamo...) done now
+
+        key = f"spare/{self.pid}"
+
+        def named() -> str | None:
+            if self._store.check([key]):
+                return self._store.get(key).decode()
+            return "done" if self._store.check(["done"]) else None
+
+        rank = wait_until(named, float("inf"), "a rank to replace", poll=0.02)
+        if rank == "done":
+            raise SystemExit(0)  # the job finished without needing this spare
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = rank
 
     # ---- what the loop sees -------------------------------------------------------------
     @property
@@ -271,9 +291,11 @@ class Survivors:
     def _enter(self, proposal: Proposal) -> None:
         """Make ``proposal`` the world: its process group, the model on it, one state."""
         self._leave_group()
+        # The generation is this one from now on, even if making its group fails (a member
+        # lost meanwhile): the next roll call is then this generation's.
+        self.generation, self._members = proposal.generation, proposal.members
         self._init_group(f"g{proposal.generation}/pg/", proposal.rank_of(self.slot),
                          len(proposal.members))
-        self.generation, self._members = proposal.generation, proposal.members
         if self._model is not None and hasattr(self._model, "use_process_group"):
             self._model.use_process_group(None)
         if any(m.step != proposal.step for m in proposal.members):
@@ -360,14 +382,20 @@ class Survivors:
             if joining:
                 self._store.compare_set(f"g{generation}/next", "", decision)
             self._store.set(key, decision)
-        store = self._store
+        store, first = self._store, self._members[0]
 
         def decided() -> str | None:
             if store.check([key]):
                 return store.get(key).decode()
-            return "failed" if store.check([f"g{generation}/failed"]) else None
+            gone = store.check([f"g{generation}/failed"]) or store.check([f"dead/{first.pid}"])
+            return "failed" if gone else None
 
-        decision = wait_until(decided, self.detect_timeout, "the first member's admission")
+        # As long as a collective may wait: the first member may be in a long step.
+        decision = wait_until(decided, self.timeout.total_seconds(),
+                              "the first member's admission", poll=0.002)
+        if decision == "failed":
+            self._recover(RuntimeError(f"rank {first.slot} failed before an admission"))
+            return
         if decision == "none":
             return
         winner = Proposal.decode(store.get(f"g{generation}/next").decode())
