@@ -64,6 +64,7 @@ def test_compare_checks_its_arguments():
 
 
 # ---- end to end on CPU ----------------------------------------------------------------------
+@pytest.mark.slow  # the CLI case below runs the same comparison end to end by default
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_compare_dp_ddp_on_two_cpu_devices():

@@ -67,6 +67,9 @@ def _args(*argv: str):
         (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:0", "JOB"], "port 0 cannot be shared"),
         (["--rdzv-conf", "timeout", "JOB"], "'timeout' is not KEY=VALUE"),
         (["--local-ranks-filter", "a", "JOB"], "--local-ranks-filter 'a' is not a list"),
+        (["--survivors", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400", "JOB"],
+         "--survivors runs on one machine"),
+        (["--survivors", "--spares", "-1", "JOB"], "--spares -1: must be 0 or more"),
     ],
 )
 def test_argument_errors_name_the_flag(argv, message, capsys):

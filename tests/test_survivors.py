@@ -87,17 +87,21 @@ def test_without_survivors_mode_a_step_error_propagates() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_path) -> None:
+@pytest.mark.parametrize("spares", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_path, spares) -> None:
+    """With a warm spare (the default) and, in the slow tier, with a new process importing."""
     out, logs = tmp_path / "out.pt", tmp_path / "logs"
     logs.mkdir()
     steps = 24
     done = subprocess.run(
         [sys.executable, "-m", "lockstep", "run", "--survivors", "--max-restarts", "1",
+         "--spares", str(spares),
          "--nproc-per-node", "3", str(SCRIPT), "--steps", str(steps), "--kill-slot", "1",
          "--kill-at", "6", "--out", str(out), "--log-dir", str(logs)],
         check=False, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1" in done.stderr and "SIGKILL" in done.stderr
+    assert ("a warm spare" if spares else "a new process") in done.stderr
     result = torch.load(out, weights_only=False)
     history = result["history"]
     # Three worlds: all, the two survivors from the killed step on, all again once rejoined.

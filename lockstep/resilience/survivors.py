@@ -1,7 +1,7 @@
 """Survivors that keep training: a failed rank leaves the world, a replacement joins later.
 
 Under ``lockstep run --survivors`` (one machine), a worker that dies does not stop the others:
-the launcher starts a replacement for its slot and marks the dead process in the store. The
+the launcher gives its slot to a replacement and marks the dead process in the store. The
 survivors' next collective fails at once (the peer's sockets close); :meth:`Survivors.step`
 catches that, holds a roll call through the store, and the members still alive form the next
 *generation*: a new default process group made from the store, the DDP model moved onto it
@@ -84,7 +84,10 @@ class Survivors:
                 model(x).sum().backward()
                 optimizer.step()
 
-    ``team.completed`` counts the steps completed; a replacement takes its peers' count.
+    Attributes: ``completed`` (steps completed; a replacement takes its peers' count),
+    ``slot`` (this process's rank as launched, kept across worlds), ``slots`` (the world as
+    launched), ``rank``/``world_size``/``members`` (the current world), ``generation`` and
+    ``history`` (``(first step, slots)`` per world so far: the schedule a replay needs).
 
     Args:
         admit_every: while the world is short, look for replacements every this many steps.
