@@ -236,6 +236,7 @@ def _check(run: dict, slow_rank: int, phase: str) -> None:
     assert f"straggler: rank {slow_rank}" in run["report"]
 
 
+@pytest.mark.slow  # end to end; the observer's default tests above prove the mechanism
 @pytest.mark.timeout(300)
 def test_doctor_explains_an_unchanged_torch_ddp_script(tmp_path):
     _check(_doctor("torch_ddp_train.py", tmp_path, slow_rank=1), 1, "data")

@@ -102,6 +102,7 @@ def test_optimizer_state_memory_matches_what_zero_holds():
             assert row[zero] == pytest.approx(want, rel=0.02)
 
 
+@pytest.mark.slow  # a second variant of the world-1 profile case
 @pytest.mark.timeout(120)
 def test_world1_profile_beside_companions_is_still_a_world_of_one():
     # One companion trains the same model at the same time (as a second rank would compute).

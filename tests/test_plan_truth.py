@@ -264,6 +264,7 @@ def test_implied_spread_closes_the_gap_it_was_read_from():
     assert bench.implied_cv(row, params) == 0.0
 
 
+@pytest.mark.slow  # reruns the whole published-set calibration (bench_plan_scaling.py shows it too)
 def test_default_spread_is_the_min_median_max_over_every_published_row():
     """DEFAULT_CV is bench_plan_scaling.calibrated_cv over all 108 rows, to three decimals."""
     import importlib.util
