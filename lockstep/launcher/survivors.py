@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import IO, TextIO
+from typing import IO, Protocol, TextIO
 
 import torch.distributed as dist
 
@@ -32,12 +32,23 @@ from lockstep.launcher.launch_plan import LaunchPlan
 from lockstep.launcher.output import PrefixWriter
 from lockstep.launcher.spawn import find_free_port
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
+from lockstep.launcher.zygote import ForkedProcess, Zygote, can_fork
 from lockstep.resilience.roster import job_store
 from lockstep.resilience.survivors import JOIN_ENV, SPARE_ENV, SURVIVORS_ENV
 
 __all__ = ["supervise"]
 
 _STOP_GRACE_S = 5.0
+
+Worker = subprocess.Popen | ForkedProcess  # a process started for a rank, or a spare
+
+
+class _Readable(Protocol):
+    """A pipe's read end: a forked worker's output (``subprocess`` gives ``IO[bytes]``)."""
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class _Relay:
@@ -47,7 +58,7 @@ class _Relay:
         self._writer = PrefixWriter()
         self._lock = threading.Lock()
 
-    def follow(self, stream: IO[bytes] | None, source: str, prefix: Callable[[], str],
+    def follow(self, stream: IO[bytes] | _Readable | None, source: str, prefix: Callable[[], str],
                dst: TextIO | None) -> None:
         """Copy ``stream`` to ``dst`` in a thread (``dst`` None: read and drop it)."""
         if stream is None:
@@ -121,14 +132,20 @@ class _Job:
         }
         self.relay = _Relay()
         self.names: dict[int, str] = {}  # pid -> its output prefix
-        self.procs: dict[int, subprocess.Popen] = {}  # rank -> its process
-        self.spares: list[subprocess.Popen] = []  # started, imported, waiting for a rank
+        self.procs: dict[int, Worker] = {}  # rank -> its process
+        self.spares: list[Worker] = []  # started, imported, waiting for a rank
         self.waiting: set[int] = set()  # pids of replacements not yet seen admitted
         self.restarts = 0
         self.spares_failed = False
+        # Spares after the first ones are forked from a process that imported torch at the start.
+        self.zygote: Zygote | None = None
+        if plan.spares and can_fork(plan.entrypoint, plan.args):
+            self.zygote = Zygote({**self.base, SPARE_ENV: "1", JOIN_ENV: "1"})
 
-    def start(self, rank: int | None, replacement: bool) -> subprocess.Popen:
-        """A worker for ``rank``, or a spare (``rank`` None) that waits for one."""
+    def start(self, rank: int | None, replacement: bool,
+              forked: bool = False) -> Worker:
+        """A worker for ``rank``, or a spare (``rank`` None) that waits for one; ``forked``:
+        from the zygote (a spare replacing a used one)."""
         env = dict(self.base)
         if rank is None:
             env[SPARE_ENV] = "1"
@@ -136,8 +153,12 @@ class _Job:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank))
         if replacement or rank is None:
             env[JOIN_ENV] = "1"
-        proc = subprocess.Popen([self.plan.entrypoint, *self.plan.args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc: Worker
+        if forked and self.zygote is not None:
+            proc = self.zygote.start(self.plan.args, env)
+        else:
+            proc = subprocess.Popen([self.plan.entrypoint, *self.plan.args], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.names[proc.pid] = f"[rank{rank}]: " if rank is not None else "[spare]: "
         shown = self.plan.local_ranks_filter
         for stream, dst, name in ((proc.stdout, sys.stdout, "out"), (proc.stderr, sys.stderr, "err")):
@@ -147,7 +168,7 @@ class _Job:
                               dst if visible else None)
         return proc
 
-    def training(self, rank: int, proc: subprocess.Popen) -> bool:
+    def training(self, rank: int, proc: Worker) -> bool:
         """Is this process in the world (not a replacement still waiting to be admitted)?"""
         if proc.pid in self.waiting and self.store.check([f"admitted/{rank}/{proc.pid}"]):
             self.waiting.discard(proc.pid)
@@ -163,7 +184,7 @@ class _Job:
             self.procs[rank] = spare
             how = f"a warm spare (pid {spare.pid})"
             if not self.spares_failed:
-                self.spares.append(self.start(None, True))
+                self.spares.append(self.start(None, True, forked=True))
         else:
             self.procs[rank] = self.start(rank, True)
             how = "a new process"
@@ -177,13 +198,14 @@ class _Job:
         finished: set[int] = set()
         while self.procs:
             for spare in list(self.spares):
-                if spare.poll() is None:
+                ended = spare.poll()
+                if ended is None:
                     continue
                 self.spares.remove(spare)
-                if spare.returncode != 0:  # a spare that cannot start: no more spares
+                if ended != 0:  # a spare that cannot start: no more spares
                     self.spares_failed = True
                     print(f"lockstep run: a spare worker (pid {spare.pid}) "
-                          f"{_describe(spare.returncode)} before it was needed; no more spares",
+                          f"{_describe(ended)} before it was needed; no more spares",
                           file=sys.stderr, flush=True)
             for rank, proc in list(self.procs.items()):
                 code = proc.poll()
@@ -220,7 +242,7 @@ class _Job:
         _stop({**self.procs, **{-1 - i: p for i, p in enumerate(self.spares)}})
 
 
-def _stop(procs: dict[int, subprocess.Popen], grace: float | None = None) -> None:
+def _stop(procs: dict[int, Worker], grace: float | None = None) -> None:
     """SIGTERM every worker, SIGKILL those still running after a grace period.
 
     ``grace``: first wait that long for them to exit on their own, then SIGTERM.

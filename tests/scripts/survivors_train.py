@@ -7,7 +7,7 @@ process at a step, and records what the test compares:
   samples it trained on), so the test can replay the same steps and check the sample stream.
 
     lockstep run --survivors --max-restarts 1 --nproc-per-node 3 survivors_train.py \
-        --steps 24 --kill-slot 1 --kill-at 6 --out out.pt --log-dir logs
+        --steps 24 --kill 1:6 --out out.pt --log-dir logs
 
 ``build``, ``dataset`` and ``train_on`` are shared with the test's replay.
 """
@@ -62,12 +62,13 @@ def train_on(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--kill-slot", type=int, default=-1)
-    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill", action="append", default=[], metavar="SLOT:STEP",
+                        help="SIGKILL the slot's first process at that step (repeatable)")
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args()
+    kills = {tuple(int(v) for v in pair.split(":")) for pair in args.kill}
     team = lockstep.Survivors(admit_every=2)
     net, model, optimizer = build()
     team.track(model, optimizer)
@@ -80,7 +81,7 @@ def main() -> None:
         if team.completed >= args.steps:
             break
         with team.step():
-            if slot == args.kill_slot and team.completed == args.kill_at and not replacement:
+            if (slot, team.completed) in kills and not replacement:
                 os.kill(os.getpid(), 9)
             train_on(model, optimizer, x)
             print(team.completed, sampler.epoch, slot, *indices.tolist(), file=log)

@@ -1,0 +1,185 @@
+"""Workers forked from a process that has imported torch already: a new one starts in
+milliseconds, without the seconds of CPU that ``import torch`` costs.
+
+``lockstep run --survivors`` replaces each warm spare it uses with a new one. Started as a new
+interpreter, that spare imports torch (about 5 s of one core here) while the ranks train; on a
+machine without a core to spare that slowed the ranks by a third for those seconds after every
+kill, most of what a kill cost (docs/checkpoints-and-recovery.md). A :class:`Zygote` is a
+``multiprocessing`` fork server that imported torch and lockstep once, at the job's start, with
+the workers' environment; each process it forks runs the worker entry point
+(:mod:`lockstep.launcher.worker`) as a new interpreter would: the script as ``__main__``, its
+own ``sys.argv``, ``sys.path[0]`` and environment, its output through pipes the launcher relays,
+and at its end the non-daemon threads joined and ``atexit`` run, then its exit status.
+
+Only for ``python -m lockstep.launcher.worker ...`` commands (what ``lockstep run`` starts
+unless ``--no-python``) and where ``fork`` exists; :func:`can_fork` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from lockstep.launcher.worker import LAUNCHER_PID_ENV
+
+__all__ = ["ForkedProcess", "Zygote", "can_fork"]
+
+_WORKER = ("-m", "lockstep.launcher.worker")
+# What a worker imports before its script: done once in the fork server.
+_PRELOAD = ["torch", "torch.distributed", "lockstep", "lockstep.ddp.wrapper",
+            "lockstep.launcher.worker", __name__]
+
+
+def can_fork(entrypoint: str, args: Sequence[str]) -> bool:
+    """Whether ``[entrypoint, *args]`` is a worker a :class:`Zygote` can fork: this Python
+    running ``lockstep.launcher.worker``, on a platform with a fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    rest = [a for a in args if a != "-u"]
+    return os.path.realpath(entrypoint) == os.path.realpath(sys.executable) and \
+        tuple(rest[:2]) == _WORKER and len(rest) > 2
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (the fork server inherits it), as it was after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class Zygote:
+    """A fork server with torch and lockstep imported, started with ``env`` (the workers'
+    environment: thread counts such as ``OMP_NUM_THREADS`` are read when torch loads)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(_PRELOAD)
+        with _environment(env):
+            multiprocessing.forkserver.ensure_running()  # imports in the background
+
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
+        """Fork a worker running ``python [-u] -m lockstep.launcher.worker ARGS...``.
+
+        Blocks while the fork server is still importing (seconds, once per job)."""
+        rest = [a for a in args if a != "-u"]
+        out_r, out_w = self._context.Pipe(duplex=False)
+        err_r, err_w = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=_run_worker, daemon=False,
+                                        args=(list(rest[2:]), dict(env), out_w, err_w))
+        process.start()
+        out_w.close()
+        err_w.close()
+        return ForkedProcess(process, out_r, err_r)
+
+
+class _Stream:
+    """The read end of a child's stdout or stderr: ``fileno()`` and ``close()``."""
+
+    def __init__(self, connection: multiprocessing.connection.Connection) -> None:
+        self._connection = connection
+
+    def fileno(self) -> int:
+        return self._connection.fileno()
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+class ForkedProcess:
+    """A forked worker with the part of ``subprocess.Popen``'s interface the launcher uses."""
+
+    def __init__(self, process: Any, stdout: Any, stderr: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+        self.stdout = _Stream(stdout)
+        self.stderr = _Stream(stderr)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            self._process.terminate()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self._process.kill()
+
+
+def _text_stream(fd: int) -> io.TextIOWrapper:
+    """An unbuffered text stream on ``fd``, as ``python -u`` gives."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, write_through=True, encoding="utf-8",  # type: ignore[arg-type]
+                            errors="backslashreplace")
+
+
+def _run_worker(args: list[str], env: dict[str, str], out: Any, err: Any) -> None:
+    """In the forked child: become ``python -u -m lockstep.launcher.worker ARGS...``."""
+    from lockstep.launcher import worker
+
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout, sys.stderr = _text_stream(1), _text_stream(2)
+    # Its parent is the fork server, which lives as long as the launcher: the worker's check
+    # that the launcher is its parent looks at the fork server.
+    env = {**env, LAUNCHER_PID_ENV: str(os.getppid())}
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [worker.__file__, *args]
+    multiprocessing.current_process().name = "MainProcess"  # what scripts that check it expect
+    code = 0
+    try:
+        worker.main(args)
+    except SystemExit as stop:
+        code = _exit_status(stop.code)
+    except BaseException:  # noqa: BLE001 - what an interpreter does with an uncaught error
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # What an interpreter's exit does: join the non-daemon threads, run atexit, flush.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    import atexit
+
+    atexit._run_exitfuncs()  # the interpreter's own step, not torch's: no compat module
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_status(code: object) -> int:
+    """The exit status ``SystemExit(code)`` gives an interpreter."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
