@@ -158,13 +158,14 @@ def split_kill(run: Run, index: int, per_step: float) -> tuple[list[float], int]
     return [*parts, max(0, reached - restored) * per_step], retries
 
 
-def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> subprocess.Popen:
+def launch(mode: str, world: int, work: Path, deadline: float, every: int,
+           spares: int = 1) -> subprocess.Popen:
     if mode == "torchrun":
         runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     else:
         runner = [sys.executable, "-m", "lockstep", "run"]
         if mode == "lockstep-survivors":
-            runner.append("--survivors")
+            runner += ["--survivors", "--spares", str(spares)]
     command = [*runner, "--max-restarts", "1000", "--nproc-per-node", str(world), str(TRAIN),
                "--mode", MODES[mode][0], "--work", str(work), "--deadline", str(deadline),
                "--every", str(MODES[mode][1] or every)]
@@ -174,13 +175,13 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int) -> su
 
 
 def run_once(mode: str, world: int, seconds: float, kill_every: float | None, every: int,
-             rng: random.Random, stuck_after: float = 300.0) -> Run:
+             rng: random.Random, stuck_after: float = 300.0, spares: int = 1) -> Run:
     """Steps reached in ``seconds`` of training, the kills, and the workers' events."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         start = time.time()
         deadline = start + seconds
-        proc = launch(mode, world, work, deadline, every)
+        proc = launch(mode, world, work, deadline, every, spares)
         kills: list[tuple[float, int]] = []
         next_kill = start + kill_every if kill_every else float("inf")
         while proc.poll() is None:
@@ -222,6 +223,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stuck-after", type=float, default=300.0,
                         help="give up on a run this many seconds after its deadline")
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spares in the survivors mode (lockstep run --spares)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     print(f"world {args.world}, {args.seconds:.0f} s per run, a SIGKILL every "
@@ -234,9 +237,10 @@ def main() -> None:
     try:
         for mode in args.modes:
             try:
-                free_run = run_once(mode, args.world, args.seconds, None, args.every, rng)
+                free_run = run_once(mode, args.world, args.seconds, None, args.every, rng,
+                                    spares=args.spares)
                 hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every,
-                                   rng, args.stuck_after)
+                                   rng, args.stuck_after, args.spares)
             except RuntimeError as err:  # one mode's failure leaves the others' rows
                 print(f"| {mode} | failed: {str(err).splitlines()[0]} |||||", flush=True)
                 continue
