@@ -137,15 +137,19 @@ class _Job:
         self.waiting: set[int] = set()  # pids of replacements not yet seen admitted
         self.restarts = 0
         self.spares_failed = False
-        # Spares after the first ones are forked from a process that imported torch at the start.
+        # Spares are forked from a process that imported torch once, at the start.
         self.zygote: Zygote | None = None
         if plan.spares and can_fork(plan.entrypoint, plan.args):
-            self.zygote = Zygote({**self.base, SPARE_ENV: "1", JOIN_ENV: "1"})
+            try:
+                self.zygote = Zygote({**self.base, SPARE_ENV: "1", JOIN_ENV: "1"})
+            except (OSError, RuntimeError, ValueError) as err:  # spares start as before
+                print(f"lockstep run: spares start as new interpreters ({err})",
+                      file=sys.stderr, flush=True)
 
     def start(self, rank: int | None, replacement: bool,
               forked: bool = False) -> Worker:
         """A worker for ``rank``, or a spare (``rank`` None) that waits for one; ``forked``:
-        from the zygote (a spare replacing a used one)."""
+        from the zygote (a spare)."""
         env = dict(self.base)
         if rank is None:
             env[SPARE_ENV] = "1"
@@ -153,10 +157,14 @@ class _Job:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank))
         if replacement or rank is None:
             env[JOIN_ENV] = "1"
-        proc: Worker
-        if forked and self.zygote is not None:
-            proc = self.zygote.start(self.plan.args, env)
-        else:
+        proc: Worker | None
+        try:
+            proc = self.zygote.start(self.plan.args, env) if forked and self.zygote else None
+        except (OSError, RuntimeError, EOFError) as err:  # the zygote is gone: as before
+            print(f"lockstep run: forking a spare failed ({err}); starting it as a new "
+                  "interpreter", file=sys.stderr, flush=True)
+            self.zygote = proc = None
+        if proc is None:
             proc = subprocess.Popen([self.plan.entrypoint, *self.plan.args], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.names[proc.pid] = f"[rank{rank}]: " if rank is not None else "[spare]: "
@@ -194,7 +202,7 @@ class _Job:
     def run(self) -> int:
         plan = self.plan
         self.procs = {rank: self.start(rank, False) for rank in range(plan.nproc_per_node)}
-        self.spares = [self.start(None, True) for _ in range(plan.spares)]
+        self.spares = [self.start(None, True, forked=True) for _ in range(plan.spares)]
         finished: set[int] = set()
         while self.procs:
             for spare in list(self.spares):

@@ -44,9 +44,14 @@ def can_fork(entrypoint: str, args: Sequence[str]) -> bool:
     running ``lockstep.launcher.worker``, on a platform with a fork server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
-    rest = [a for a in args if a != "-u"]
+    rest = _without_unbuffered(args)
     return os.path.realpath(entrypoint) == os.path.realpath(sys.executable) and \
         tuple(rest[:2]) == _WORKER and len(rest) > 2
+
+
+def _without_unbuffered(args: Sequence[str]) -> list[str]:
+    """``args`` without the interpreter's leading ``-u`` (a forked worker is unbuffered)."""
+    return list(args[1:]) if list(args[:1]) == ["-u"] else list(args)
 
 
 @contextlib.contextmanager
@@ -76,7 +81,7 @@ class Zygote:
         """Fork a worker running ``python [-u] -m lockstep.launcher.worker ARGS...``.
 
         Blocks while the fork server is still importing (seconds, once per job)."""
-        rest = [a for a in args if a != "-u"]
+        rest = _without_unbuffered(args)
         out_r, out_w = self._context.Pipe(duplex=False)
         err_r, err_w = self._context.Pipe(duplex=False)
         process = self._context.Process(target=_run_worker, daemon=False,
