@@ -96,10 +96,14 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_p
     logs.mkdir()
     steps = 30 if spares else 24
     kills = ["--kill", "1:6", "--kill", "2:16"] if spares else ["--kill", "1:6"]
+    # A Checkpointer saves every 3 steps inside the step (asynchronously; blocking in the slow
+    # variant): a kill can come while a save is written; the newest is restored at the end.
+    saves = ["--ckpt", str(tmp_path / "ckpt"), "--save-every", "3"] + ([] if spares else
+                                                                      ["--blocking"])
     done = subprocess.run(
         [sys.executable, "-m", "lockstep", "run", "--survivors", "--max-restarts", "2",
          "--spares", str(spares), "--nproc-per-node", "3", str(SCRIPT), "--steps", str(steps),
-         *kills, "--out", str(out), "--log-dir", str(logs)],
+         *kills, *saves, "--out", str(out), "--log-dir", str(logs)],
         check=False, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1" in done.stderr and "SIGKILL" in done.stderr
@@ -133,6 +137,12 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_p
         state = phase
     replayed = torch.load(state, weights_only=True)["params"]
     for got, want in zip(result["params"], replayed, strict=True):
+        assert torch.equal(got, want)
+    # The checkpoints went on across the changes of world: the last step's, read back by the
+    # final world, holds the final parameters.
+    restored_step, restored = result["restored"]
+    assert restored_step == steps
+    for got, want in zip(result["params"], restored, strict=True):
         assert torch.equal(got, want)
 
 

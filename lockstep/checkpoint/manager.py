@@ -173,6 +173,10 @@ class Checkpointer:
         self.process_group = process_group
         self.timeout = timedelta(seconds=timeout)
         self._calls = 0
+        # The group this object's calls were counted in, and the one the save in flight was
+        # made in: lockstep.Survivors replaces the default group when the world changes.
+        self._met_in: Any = None
+        self._saved_in: Any = None
         # The checkpoints written or verified by this object, with their files.
         self._intact = IntactCheckpoints()
         self._snapshot = Snapshot()  # host buffers of asynchronous saves, reused
@@ -213,10 +217,29 @@ class Checkpointer:
         exchange = partial(ring_exchange, rank=rank, group=self.process_group)
         replicate_to_peer(self._memory, step, rank, world, self._gather, exchange)
 
+    def _group(self) -> Any:
+        """The group saving together now (the default group: whichever is current)."""
+        if self.process_group is not None or not dist.is_initialized():
+            return self.process_group
+        return dist.group.WORLD
+
     def _settle(self) -> None:
-        """Finish the save in flight and raise its error, if any, on every rank."""
+        """Finish the save in flight and raise its error, if any, on every rank.
+
+        A save made in a world that has changed since (``lockstep.Survivors`` re-formed the
+        group after a failure) is finished if its files are all written, else dropped with a
+        warning: a dead rank never writes its part, and the previous checkpoint stays newest.
+        """
         pending, self._pending = self._pending, None
+        moved = pending is not None and self._saved_in is not self._group()
+        if pending is not None and moved:
+            pending.hurry(0.0)  # a dead peer's files never come
+            self._unreplicated = None  # the ring it was to be copied around is gone too
         error = pending.join() if pending is not None else None
+        if pending is not None and moved and error is not None:
+            logger.warning("checkpoint %s was dropped: the world changed while it was written "
+                           "(%s); the previous checkpoint is the newest", pending.final, error)
+            error = None
         if self._rank_and_world()[1] > 1:
             errors = self._gather(error)
         else:
@@ -233,6 +256,9 @@ class Checkpointer:
         """Fail, naming them, if some ranks never enter this call (e.g. saving on rank 0 only)."""
         if self._rank_and_world()[1] == 1:
             return
+        group = self._group()
+        if group is not self._met_in:  # a new world: its members count their calls afresh
+            self._met_in, self._calls = group, 0
         self._calls += 1
         meet(self.directory, call, self._calls, self.timeout, self.process_group)
 
@@ -383,6 +409,7 @@ class Checkpointer:
             publish_all = partial(self._publish, staging, final, checkpoint_files(world, writers))
             later = deferred[0]
             later.watch(optimizers)
+            self._saved_in = self._group()
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
                 self.timeout.total_seconds(), self._attempt, copy, later,

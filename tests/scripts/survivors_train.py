@@ -3,6 +3,9 @@
 process at a step, and records what the test compares:
 
 - ``--out``: rank 0's final parameters and the world's history (first step, slots) per world;
+- ``--ckpt``: a ``Checkpointer`` saving inside the step every ``--save-every`` steps
+  (asynchronous unless ``--blocking``); at the end the newest checkpoint is restored into a new
+  model, and ``--out`` holds its step and parameters too;
 - ``--log-dir``: one line per completed step and process, ``step epoch slot index...`` (the
   samples it trained on), so the test can replay the same steps and check the sample stream.
 
@@ -67,6 +70,9 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--out", required=True)
     parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--ckpt", help="a Checkpointer's directory: save inside the step")
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--blocking", action="store_true", help="blocking saves")
     args = parser.parse_args()
     kills = {tuple(int(v) for v in pair.split(":")) for pair in args.kill}
     team = lockstep.Survivors(admit_every=2)
@@ -76,6 +82,7 @@ def main() -> None:
     replacement = os.environ.get("LOCKSTEP_SURVIVOR_JOIN") == "1"
     sampler = lockstep.DistributedSampler(Indexed(), shuffle=True, seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
+    ckpt = lockstep.Checkpointer(args.ckpt, blocking=args.blocking) if args.ckpt else None
     log = (Path(args.log_dir) / f"slot{slot}-{os.getpid()}.txt").open("w", buffering=1)
     for indices, x in team.batches(loader, epochs=1000):
         if team.completed >= args.steps:
@@ -84,12 +91,20 @@ def main() -> None:
             if (slot, team.completed) in kills and not replacement:
                 os.kill(os.getpid(), 9)
             train_on(model, optimizer, x)
+            if ckpt is not None and (team.completed + 1) % args.save_every == 0:
+                ckpt.save(team.completed + 1, model=model, optimizer=optimizer)
             print(team.completed, sampler.epoch, slot, *indices.tolist(), file=log)
             # Slow while the world is short: room for the replacement to start before the end.
             time.sleep(args.sleep if team.world_size == team.slots else 0.5)
+    restored = None
+    if ckpt is not None:  # the newest checkpoint, read back by the world as it is now
+        fresh_net, fresh_model, fresh_optimizer = build()
+        found = ckpt.restore(model=fresh_model, optimizer=fresh_optimizer)
+        restored = (found.step if found else None,
+                    [p.detach().clone() for p in fresh_net.parameters()])
     if team.rank == 0:
         torch.save({"params": [p.detach().clone() for p in net.parameters()],
-                    "history": team.history}, args.out)
+                    "history": team.history, "restored": restored}, args.out)
     team.finish()
 
 
