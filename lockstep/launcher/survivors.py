@@ -4,9 +4,11 @@ torch's elastic agent restarts every worker after any failure. Here the launcher
 job's store itself, starts one process per rank, and when one dies it marks the dead process
 in the store (so the survivors' roll call ends at once, see :mod:`lockstep.resilience`) and
 gives that rank a replacement, up to ``--max-restarts`` times: a warm spare when one waits
-(``--spares``, default 1: a process started with the others that has run the script up to
-``lockstep.Survivors()``, imports done, and waits there for a rank), else a new process with
-``LOCKSTEP_SURVIVOR_JOIN=1``; a used spare is replaced by a new one. The survivors keep training in a smaller world; the replacement joins at a step
+(``--spares``, default 1: a process that has run the script up to ``lockstep.Survivors()``,
+imports done, and waits there for a rank), else a new process with
+``LOCKSTEP_SURVIVOR_JOIN=1``; a used spare is replaced by a new one. Spares are forked from a
+zygote that imported torch once (:mod:`lockstep.launcher.zygote`), so a new spare does not
+take a core from the training ranks for the seconds of ``import torch``. The survivors keep training in a smaller world; the replacement joins at a step
 boundary. The job ends when every worker has exited 0; it fails (the others stopped) when a
 worker fails with no restart left or nobody is left alive to take a replacement in.
 """
