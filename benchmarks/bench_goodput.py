@@ -12,7 +12,10 @@ usual recipe), ``lockstep`` (``lockstep run --max-restarts``, blocking ``Checkpo
 (asynchronous, ``Checkpointer(memory=True)``: restores read ``/dev/shm``) and
 ``lockstep-memory-every-step`` (the same, saving every step), ``lockstep-survivors``
 (``lockstep run --survivors``, ``lockstep.Survivors``, no checkpoint: the survivors go on in a
-smaller world, a replacement joins with a peer's state). Prints one table row per
+smaller world, a replacement joins with a peer's state); ``lockstep-async-no-fork`` and
+``lockstep-memory-no-fork`` are the two restarting modes with ``lockstep run --no-fork`` (every
+worker a new interpreter that imports torch, as before restarted workers were forked from a
+server that has it imported). Prints one table row per
 mode: steps without and with kills, goodput (their ratio), sample goodput (the same for samples
 trained on: in ``lockstep-survivors`` mode a step run by fewer ranks trains on fewer samples;
 elsewhere the two are equal), kills, and training time lost per kill, ``(steps without - steps
@@ -73,6 +76,10 @@ MODES: dict[str, tuple[str, int | None]] = {
     "lockstep-memory": ("lockstep-memory", None),
     "lockstep-memory-every-step": ("lockstep-memory", 1),
     "lockstep-survivors": ("lockstep-survivors", None),
+    # The restarting modes with every worker a new interpreter (``lockstep run --no-fork``),
+    # as before restarted workers were forked from a server that has torch imported.
+    "lockstep-async-no-fork": ("lockstep-async", None),
+    "lockstep-memory-no-fork": ("lockstep-memory", None),
 }
 # The split's parts: (name, the event that ends it, in the replacement processes).
 PARTS = [("detection+restart", "spawn"), ("import", "imported"), ("rendezvous", "initialised"),
@@ -166,6 +173,8 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int,
         runner = [sys.executable, "-m", "lockstep", "run"]
         if mode == "lockstep-survivors":
             runner += ["--survivors", "--spares", str(spares)]
+        if mode.endswith("-no-fork"):
+            runner.append("--no-fork")
     command = [*runner, "--max-restarts", "1000", "--nproc-per-node", str(world), str(TRAIN),
                "--mode", MODES[mode][0], "--work", str(work), "--deadline", str(deadline),
                "--every", str(MODES[mode][1] or every)]

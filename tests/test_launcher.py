@@ -113,6 +113,15 @@ def test_parse_nnodes():
 # ------------------------------------------------------------------------------ launch plans
 
 
+def test_no_fork_is_parsed_and_the_start_method_follows_the_plan(tmp_path):
+    forked = config.plan_from_args(_args("--max-restarts", "2", str(JOB)), environ={})
+    fresh = config.plan_from_args(_args("--max-restarts", "2", "--no-fork", str(JOB)), environ={})
+    assert forked.fork_workers and not fresh.fork_workers
+    assert config.to_launch_config(forked, str(tmp_path), start_method="forkserver") \
+        .start_method == "forkserver"
+    assert config.to_launch_config(fresh, str(tmp_path)).start_method == "spawn"  # torch's default
+
+
 def test_single_machine_plan_stays_on_loopback(tmp_path):
     plan = config.plan_from_args(_args("--nproc-per-node", "2", str(JOB), "ok", "x"), environ={})
     assert plan.rdzv_backend == rendezvous.LOOPBACK_BACKEND

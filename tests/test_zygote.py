@@ -92,3 +92,65 @@ def test_only_lockstep_workers_of_this_python_are_forked() -> None:
     assert not can_fork("/bin/sh", worker)  # --no-python: the user's own program
     assert not can_fork(sys.executable, ["-u", "train.py"])
     assert not can_fork(sys.executable, ["-u", "-m", "lockstep.launcher.worker"])  # no script
+
+
+RESTARTED = """
+import atexit, os, sys, threading
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
+    forked = b"forkserver" in parent.read()  # a new interpreter's parent is the launcher
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+atexit.register(lambda: print(f"atexit ran {attempt}", flush=True))
+print(f"attempt {attempt} rank {rank} forked {forked} name {__name__} argv {sys.argv[1:]} "
+      f"threads {torch.get_num_threads()}", flush=True)
+threading.Thread(target=lambda: print(f"thread ended {attempt}", flush=True)).start()
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+dist.destroy_process_group()
+if attempt == "0" and rank == 1:
+    raise ValueError("the first attempt fails")
+if sys.argv[1] == "always" and rank == 1:
+    sys.exit(7)
+"""
+
+
+def _launch(tmp_path, *flags: str, mode: str = "once") -> subprocess.CompletedProcess:
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2",
+                           "--max-restarts", "1", *flags, str(script), mode],
+                          check=False, capture_output=True, text=True, timeout=150,
+                          env=env)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_restarted_workers_are_forked_with_torch_imported(tmp_path) -> None:
+    run = _launch(tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for attempt in "01":
+        for rank in "01":
+            assert (f"[rank{rank}]: attempt {attempt} rank {rank} forked True name __main__ "
+                    f"argv ['once'] threads 1") in run.stdout, run.stdout
+        # The interpreter's exit: non-daemon threads joined, atexit run (each rank).
+        assert run.stdout.count(f"thread ended {attempt}") == 2, run.stdout
+    assert run.stdout.count("atexit ran 1") == 2, run.stdout
+    assert "ValueError: the first attempt fails" in run.stderr
+    # The agent's line for the failure, without the launcher's own traceback.
+    assert "exitcode: 1" in run.stderr and "Traceback (most recent call last):\n  File" \
+        not in run.stderr.split("ValueError")[-1], run.stderr
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_a_forked_workers_last_failure_is_reported_as_a_process_would_be(tmp_path) -> None:
+    forked, fresh = _launch(tmp_path, mode="always"), _launch(tmp_path, "--no-fork", mode="always")
+    assert "forked False" in fresh.stdout and "forked True" not in fresh.stdout
+    assert forked.returncode == fresh.returncode == 7, forked.stderr
+    for run in (forked, fresh):
+        report = run.stderr[run.stderr.index("lockstep run:"):]
+        assert "rank 1" in report and "exit code 7" in report, report

@@ -41,6 +41,9 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     ("spares", {"type": int, "default": 1, "metavar": "K",
                 "help": "with --survivors: K warm spare workers, started with the others and "
                         "waiting with their imports done, to replace a failed one at once"}),
+    ("no-fork", {"action": "store_true",
+                 "help": "with --max-restarts or --spares: start every worker as a new "
+                         "interpreter, not forked from a server that has imported torch"}),
     ("local-ranks-filter", {"default": "", "metavar": "R,...",
                                 "help": "show only these local ranks' output on the console"}),
 )  # fmt: skip

@@ -63,6 +63,7 @@ class LaunchPlan:
     local_ranks_filter: frozenset[int] | None = None
     survivors: bool = False  # --survivors: lockstep.launcher.survivors supervises the workers
     spares: int = 1  # with survivors: warm spare workers
+    fork_workers: bool = True  # with restarts: workers forked from a server that has torch
 
     def __post_init__(self) -> None:
         """Refuse a plan that cannot work, however it was built (flags or by hand)."""
@@ -284,13 +285,17 @@ def plan_from_args(
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         survivors=bool(getattr(args, "survivors", False)),
         spares=getattr(args, "spares", 1),
+        fork_workers=not getattr(args, "no_fork", False),
     )
 
 
-def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
+def to_launch_config(plan: LaunchPlan, log_dir: str,
+                     start_method: str | None = None) -> LaunchConfig:
     """The elastic ``LaunchConfig`` for ``plan``, logging every worker under ``log_dir``.
 
-    Workers write to files only: :class:`~lockstep.launcher.output.OutputRelay` copies them
+    ``start_method`` is how the agent starts a function entry point (``"forkserver"``: workers
+    forked from :mod:`lockstep.launcher.zygote`'s server); torch's default otherwise. Workers
+    write to files only: :class:`~lockstep.launcher.output.OutputRelay` copies them
     to the console with rank prefixes, and the root-cause report reads a failed worker's last
     lines there.
     """
@@ -301,7 +306,7 @@ def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
         # (lockstep.launcher.rendezvous_report); a single machine has nobody to wait for.
         configs.update(lockstep_nproc=plan.nproc_per_node, lockstep_log_dir=log_dir,
                        lockstep_max_restarts=plan.max_restarts)
-    return LaunchConfig(
+    config = LaunchConfig(
         min_nodes=plan.min_nodes,
         max_nodes=plan.max_nodes,
         nproc_per_node=plan.nproc_per_node,
@@ -315,3 +320,6 @@ def to_launch_config(plan: LaunchPlan, log_dir: str) -> LaunchConfig:
         monitor_interval=plan.monitor_interval,
         local_addr=plan.local_addr,
     )
+    if start_method:  # a function entry point's (lockstep.launcher.run): torch's default is spawn
+        config.start_method = start_method
+    return config

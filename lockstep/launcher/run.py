@@ -4,13 +4,15 @@ The elastic agent does the process management: it starts the workers, meets the 
 machines through the rendezvous, restarts every worker after a failure (``--max-restarts``),
 and stops them all when one fails or the launcher is interrupted. lockstep adds what users
 see: rank-prefixed output, the root cause of a failure, and a loopback-only rendezvous on a
-single machine.
+single machine; and where workers are restarted, workers forked from a server that imported
+torch once (:mod:`lockstep.launcher.zygote`), so a restart costs no ``import torch``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +34,7 @@ from lockstep.launcher.launch_plan import LaunchPlan, to_launch_config
 from lockstep.launcher.output import OutputRelay
 from lockstep.launcher.rendezvous import register_backends
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
+from lockstep.launcher.zygote import Zygote, can_fork, forked_worker, worker_args
 
 __all__ = ["launch", "scoped_environ"]
 
@@ -90,10 +93,15 @@ def launch(plan: LaunchPlan) -> int:
     register_backends()
     env = {**plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid())}
     with _log_dir(plan.log_dir) as log_dir, scoped_environ(env):
-        config = to_launch_config(plan, log_dir)
+        forked = _fork_server(plan)
+        config = to_launch_config(plan, log_dir, start_method="forkserver" if forked else None)
         try:
             with OutputRelay(log_dir, plan.local_ranks_filter):
-                elastic_launch(config, plan.entrypoint)(*plan.args)
+                if forked:
+                    with _failures_without_traceback():
+                        elastic_launch(config, forked_worker)(worker_args(plan.args))
+                else:
+                    elastic_launch(config, plan.entrypoint)(*plan.args)
         except ChildFailedError as err:
             failures = failures_from(err, log_dir)
             print(format_report(failures, _attempts(log_dir)), file=sys.stderr, flush=True)
@@ -106,6 +114,47 @@ def launch(plan: LaunchPlan) -> int:
             print(_rendezvous_failure(plan, err), file=sys.stderr, flush=True)
             return 1
     return 0
+
+
+class _NoTraceback(logging.Filter):
+    """Log a record without its exception's traceback (the message says what failed)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+@contextlib.contextmanager
+def _failures_without_traceback() -> Iterator[None]:
+    """The agent logs a forked worker's failure with the launcher's own traceback (where it
+    noticed), which says nothing about the worker's and costs seconds the first time (torch's
+    log formatter imports much of torch to print it): keep the one line, as for a process."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _NoTraceback()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
+def _fork_server(plan: LaunchPlan) -> bool:
+    """Start the workers (and every restart's) by forking them from a server that has torch
+    imported, where the plan restarts workers and its command can be forked; whether it does.
+
+    A restart then costs no ``import torch`` (seconds of CPU per worker). Called with the
+    workers' environment in ``os.environ``: the server loads torch with it."""
+    if not plan.fork_workers or plan.max_restarts < 1 or \
+            not can_fork(plan.entrypoint, plan.args):
+        return False
+    try:
+        Zygote(os.environ)
+    except (OSError, RuntimeError, ImportError) as err:
+        print(f"lockstep run: could not start the fork server ({err}); workers start as new "
+              "interpreters instead", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _rendezvous_failure(plan: LaunchPlan, err: RendezvousError) -> str:

@@ -141,7 +141,7 @@ class _Job:
         self.spares_failed = False
         # Spares are forked from a process that imported torch once, at the start.
         self.zygote: Zygote | None = None
-        if plan.spares and can_fork(plan.entrypoint, plan.args):
+        if plan.spares and plan.fork_workers and can_fork(plan.entrypoint, plan.args):
             try:
                 self.zygote = Zygote({**self.base, SPARE_ENV: "1", JOIN_ENV: "1"})
             except (OSError, RuntimeError, ValueError) as err:  # spares start as before

@@ -31,7 +31,7 @@ from typing import Any
 
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 
-__all__ = ["ForkedProcess", "Zygote", "can_fork"]
+__all__ = ["ForkedProcess", "Zygote", "can_fork", "forked_worker", "worker_args"]
 
 _WORKER = ("-m", "lockstep.launcher.worker")
 # What a worker imports before its script: done once in the fork server.
@@ -47,6 +47,12 @@ def can_fork(entrypoint: str, args: Sequence[str]) -> bool:
     rest = _without_unbuffered(args)
     return os.path.realpath(entrypoint) == os.path.realpath(sys.executable) and \
         tuple(rest[:2]) == _WORKER and len(rest) > 2
+
+
+def worker_args(args: Sequence[str]) -> list[str]:
+    """The worker's own arguments (``[-m] TARGET ARGS...``) in a command :func:`can_fork`
+    accepts: what :func:`forked_worker` is given."""
+    return _without_unbuffered(args)[2:]
 
 
 def _without_unbuffered(args: Sequence[str]) -> list[str]:
@@ -145,18 +151,42 @@ def _text_stream(fd: int) -> io.TextIOWrapper:
 
 def _run_worker(args: list[str], env: dict[str, str], out: Any, err: Any) -> None:
     """In the forked child: become ``python -u -m lockstep.launcher.worker ARGS...``."""
-    from lockstep.launcher import worker
-
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
+    os.environ.clear()
+    os.environ.update(env)
+    os._exit(_as_interpreter(args))
+
+
+def forked_worker(args: list[str]) -> None:
+    """torch.distributed.elastic's function entry point for a worker forked from the fork
+    server: ``python -u -m lockstep.launcher.worker ARGS...`` in a process that has torch.
+
+    The agent has set the worker's environment and sent fd 1 and 2 to its log files. A failure
+    ends the process with the status an interpreter would give (the agent reports it as a
+    failed worker, the error file written by the worker's recorder); a script that ends well
+    returns, and the agent collects the result."""
+    code = _as_interpreter(args)
+    if code:
+        os._exit(code)
+
+
+def _as_interpreter(args: list[str]) -> int:
+    """Run the worker with ``args`` as a new interpreter would; its exit status."""
+    from lockstep.launcher import worker
+
     sys.stdout, sys.stderr = _text_stream(1), _text_stream(2)
     # Its parent is the fork server, which lives as long as the launcher: the worker's check
     # that the launcher is its parent looks at the fork server.
-    env = {**env, LAUNCHER_PID_ENV: str(os.getppid())}
-    os.environ.clear()
-    os.environ.update(env)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        # The fork server loaded torch (and OpenMP read the variable) with its own environment.
+        torch.set_num_threads(int(threads))
     sys.argv = [worker.__file__, *args]
     multiprocessing.current_process().name = "MainProcess"  # what scripts that check it expect
     code = 0
@@ -177,7 +207,7 @@ def _run_worker(args: list[str], env: dict[str, str], out: Any, err: Any) -> Non
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code)
+    return code
 
 
 def _exit_status(code: object) -> int:
