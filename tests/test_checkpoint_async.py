@@ -112,6 +112,27 @@ def test_saves_are_asynchronous_by_default(tmp_path, monkeypatch):
     assert path.exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value")
+def test_the_write_runs_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
+    seen: list[tuple[int, int]] = []
+    real = ckpt_io._write_fully
+
+    def observed(fd: int, data: bytes) -> None:
+        import threading
+
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                     os.getpriority(os.PRIO_PROCESS, os.getpid())))
+        real(fd, data)
+
+    monkeypatch.setattr(ckpt_io, "_write_fully", observed)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, model=_model())
+    ckpt.wait()
+    before = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    # The writing thread yields to training; the process (its main thread) keeps its priority.
+    assert seen and all(thread == 19 and main == before for thread, main in seen), seen
+
+
 def _slow_write(real, seconds: float = 0.2):
     def slow(fd: int, data: bytes) -> None:
         time.sleep(seconds)
