@@ -490,9 +490,18 @@ def test_max_restarts_restarts_every_worker_after_a_kill(tmp_path):
         assert again["pid"] != reports[f"rank{rank}_attempt0"]["pid"]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
 @pytest.mark.multirank
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
-def test_workers_die_with_a_killed_launcher(tmp_path):
+@pytest.mark.parametrize("restarts", ["0", "1"], ids=["new-interpreters", "forked"])
+def test_workers_die_with_a_killed_launcher(tmp_path, restarts):
     marker = f"marker-{uuid.uuid4().hex}"
     launcher = subprocess.Popen(
         [
@@ -502,6 +511,8 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
             "run",
             "--nproc-per-node",
             "2",
+            "--max-restarts",  # with restarts, workers are forked from the launcher's server
+            restarts,
             str(JOB),
             "hang",
             str(tmp_path),
@@ -511,6 +522,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    workers: list[int] = []
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         while len(_reports(tmp_path)) < 2 and time.monotonic() < deadline:
@@ -521,12 +533,13 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         launcher.kill()  # SIGKILL: torch's agent gets no chance to stop its workers
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 15
-        while _processes_with(marker) and time.monotonic() < deadline:
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _processes_with(marker) == [], "workers outlived their killed launcher"
+        assert not any(map(_alive, workers)), "workers outlived their killed launcher"
+        assert _processes_with(marker) == []
     finally:
         launcher.kill()
-        for pid in _processes_with(marker):
+        for pid in [*_processes_with(marker), *filter(_alive, workers)]:
             os.kill(pid, signal.SIGKILL)
 
 

@@ -98,9 +98,11 @@ RESTARTED = """
 import atexit, os, sys, threading
 with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
     forked = b"forkserver" in parent.read()  # a new interpreter's parent is the launcher
+import numpy
 import torch
 import torch.distributed as dist
 
+print(f"draws {torch.rand(1).item()} {numpy.random.rand()}", flush=True)
 dist.init_process_group("gloo")
 rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
 atexit.register(lambda: print(f"atexit ran {attempt}", flush=True))
@@ -139,6 +141,10 @@ def test_restarted_workers_are_forked_with_torch_imported(tmp_path) -> None:
         # The interpreter's exit: non-daemon threads joined, atexit run (each rank).
         assert run.stdout.count(f"thread ended {attempt}") == 2, run.stdout
     assert run.stdout.count("atexit ran 1") == 2, run.stdout
+    # Each worker's generators are seeded as a new interpreter's are, not copied from the server.
+    draws = [line.split("draws ")[1] for line in run.stdout.splitlines() if "draws " in line]
+    assert len(draws) == 4 and len({d.split()[0] for d in draws}) == 4, draws
+    assert len({d.split()[1] for d in draws}) == 4, draws
     assert "ValueError: the first attempt fails" in run.stderr
     # The agent's line for the failure, without the launcher's own traceback.
     assert "exitcode: 1" in run.stderr and "Traceback (most recent call last):\n  File" \

@@ -187,6 +187,8 @@ def _as_interpreter(args: list[str]) -> int:
 
         # The fork server loaded torch (and OpenMP read the variable) with its own environment.
         torch.set_num_threads(int(threads))
+    _leave_the_fork_server()
+    _fresh_random_state()
     sys.argv = [worker.__file__, *args]
     multiprocessing.current_process().name = "MainProcess"  # what scripts that check it expect
     code = 0
@@ -208,6 +210,39 @@ def _as_interpreter(args: list[str]) -> int:
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+def _leave_the_fork_server() -> None:
+    """Drop what the fork server gave this child for starting processes of its own.
+
+    ``multiprocessing`` hands each forked child the write end of the pipe that keeps the fork
+    server alive, so that the child can use the same server. Held by a worker, it kept the
+    server (the worker's parent) alive after the launcher died by SIGKILL, and so the worker:
+    its parent-death signal never came. Closed here, the server sees the launcher's end, exits,
+    and the workers get their signal; a worker that uses a fork server itself starts its own,
+    as a new interpreter would."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if server is None or alive is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(alive)
+    server._forkserver_alive_fd = None  # the standard library's own fork server: no seam
+    server._forkserver_address = None
+    server._forkserver_pid = None
+
+
+def _fresh_random_state() -> None:
+    """Seed what a new interpreter seeds from the system's entropy, as it would: a fork copies
+    the fork server's generators, so every worker (and every restart) would draw the same
+    numbers. Python's ``random`` reseeds itself after a fork; torch's CPU generator and numpy's
+    global one do not. (CUDA's generators start from a fixed seed in a new interpreter too.)"""
+    import torch
+
+    torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def _exit_status(code: object) -> int:
