@@ -199,10 +199,7 @@ def _as_interpreter(args: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what an interpreter does with an uncaught error
         sys.excepthook(*sys.exc_info())
         code = 1
-    # What an interpreter's exit does: join the non-daemon threads, run atexit, flush.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _shut_threads_down()
     import atexit
 
     atexit._run_exitfuncs()  # the interpreter's own step, not torch's: no compat module
@@ -210,6 +207,22 @@ def _as_interpreter(args: list[str]) -> int:
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+def _shut_threads_down() -> None:
+    """What an interpreter's exit does before ``atexit``: run ``threading``'s own exit hooks,
+    mark the main thread finished, join the non-daemon threads. A thread may wait for the main
+    thread to end (a checkpoint's writer that publishes once the thread that saved can no longer
+    change what it copies): joining them without marking it finished would wait forever.
+    ``threading._shutdown`` is the step the interpreter itself runs; where a Python lacks it,
+    the threads are joined as they are."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if callable(shutdown) and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
 
 
 def _leave_the_fork_server() -> None:
