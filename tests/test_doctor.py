@@ -26,7 +26,7 @@ from lockstep.doctor.env import settings_from_env
 from lockstep.doctor.profile_file import build_profile, busbw, step_matrix
 from lockstep.doctor.records import PHASES, phases_of
 
-STEPS, WARMUP, BATCH = 24, 4, 64
+STEPS, WARMUP, BATCH = 12, 3, 64
 SLEEP = 0.03  # the injected delay: seconds per step on the slow rank
 THROTTLE = 5e6  # bytes/s of bus bandwidth the throttling hook allows
 

@@ -28,23 +28,31 @@ def _job():
     return module
 
 
-def _replay_phase(rank: int, slots: list[int], start: int, end: int, state_in: str | None,
-                  state_out: str, used: dict) -> None:
-    """Steps ``start..end-1`` in a world of ``slots`` (rank r plays slot ``slots[r]``), each on
-    the samples the survivors' run recorded for that step and slot."""
+def _replay(rank: int, phases: list[tuple[int, int, list[int]]], folder: str, used: dict) -> None:
+    """The survivors' run again without failures, in one world of three: phase by phase (steps
+    ``start..end-1`` in a world of ``slots``), the first ``len(slots)`` ranks train in a group of
+    their own (rank r plays slot ``slots[r]``) on the samples the survivors' run recorded for
+    that step and slot; each phase starts from the state the previous one saved."""
     job = _job()
     lockstep.init_distributed()
-    net, model, optimizer = job.build()
-    if state_in:
-        state = torch.load(state_in, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
     data = job.dataset()
-    for step in range(start, end):
-        job.train_on(model, optimizer, data[used[step, slots[rank]]])
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "params": [p.detach().clone() for p in net.parameters()]}, state_out)
+    state_in = None
+    for start, end, slots in phases:
+        group = dist.new_group(list(range(len(slots))))  # every rank creates every group
+        state_out = f"{folder}/phase{start}.pt"
+        if rank < len(slots):
+            net, model, optimizer = job.build(group)
+            if state_in:
+                state = torch.load(state_in, weights_only=True)
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            for step in range(start, end):
+                job.train_on(model, optimizer, data[used[step, slots[rank]]])
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "params": [p.detach().clone() for p in net.parameters()]}, state_out)
+        dist.barrier()
+        state_in = state_out
 
 
 def _read_logs(folder: Path) -> dict[tuple[int, int], tuple[int, list[int]]]:
@@ -128,13 +136,11 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(tmp_p
         assert set(read) == set(range(len(_job().dataset())))
         assert len(read) - len(set(read)) <= 2 * (len(history) - 1), epoch
     # The same steps, given the same worlds and samples without any failure: equal bit for bit.
-    state = None
-    for (start, slots), end in zip(history, ends):
-        phase = str(tmp_path / f"phase{start}.pt")
-        samples = {key: indices for key, (_, indices) in used.items()}
-        lockstep.spawn(_replay_phase, args=(list(slots), start, end, state, phase, samples),
-                       nprocs=len(slots), timeout=120, start_method="forkserver")
-        state = phase
+    phases = [(start, end, list(slots)) for (start, slots), end in zip(history, ends)]
+    samples = {key: indices for key, (_, indices) in used.items()}
+    lockstep.spawn(_replay, args=(phases, str(tmp_path), samples), nprocs=3, timeout=120,
+                   start_method="forkserver")
+    state = str(tmp_path / f"phase{phases[-1][0]}.pt")
     replayed = torch.load(state, weights_only=True)["params"]
     for got, want in zip(result["params"], replayed, strict=True):
         assert torch.equal(got, want)

@@ -24,7 +24,11 @@ from typing import Any
 from lockstep.env import loopback_gloo
 from lockstep.launcher.payload import interactive_main, pack, unpack
 
-__all__ = ["WorkerError", "find_free_port", "spawn"]
+# What a forked worker finds imported: torch, and DDP's imports (torch.compile's Dynamo, 1.7 s
+# of a new interpreter's first DDP), done once in the fork server.
+WORKER_IMPORTS = ["torch", "torch.distributed", "lockstep", "lockstep.ddp.wrapper"]
+
+__all__ = ["WORKER_IMPORTS", "WorkerError", "find_free_port", "spawn"]
 
 # How long survivors get to finish on their own once a peer failed, before being killed.
 _GRACE_AFTER_FAILURE_S = 2.0
@@ -142,7 +146,7 @@ def spawn(
     if method == "forkserver":
         # The server imports torch once; each worker is then a cheap fork of it. The server
         # never runs torch ops, so forking it is safe (no OpenMP pool to inherit).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "lockstep"])
+        ctx.set_forkserver_preload(WORKER_IMPORTS)
     results = ctx.Queue()
     port = find_free_port()
     procs = []

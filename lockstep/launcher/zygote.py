@@ -29,14 +29,14 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from lockstep.launcher.spawn import WORKER_IMPORTS
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 
 __all__ = ["ForkedProcess", "Zygote", "can_fork", "forked_worker", "worker_args"]
 
 _WORKER = ("-m", "lockstep.launcher.worker")
 # What a worker imports before its script: done once in the fork server.
-_PRELOAD = ["torch", "torch.distributed", "lockstep", "lockstep.ddp.wrapper",
-            "lockstep.launcher.worker", __name__]
+_PRELOAD = [*WORKER_IMPORTS, "lockstep.launcher.worker", __name__]
 
 
 def can_fork(entrypoint: str, args: Sequence[str]) -> bool:

@@ -49,10 +49,10 @@ def dataset() -> torch.Tensor:
     return torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(1))
 
 
-def build() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+def build(process_group=None) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-    model = lockstep.DistributedDataParallel(net)
+    model = lockstep.DistributedDataParallel(net, process_group=process_group)
     return net, model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
