@@ -13,6 +13,7 @@ import random
 import resource
 import signal
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,23 @@ def test_keeps_newest_k_and_skips_damaged(tmp_path):
     assert resumed.step == 2
     with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
         assert ckpt.latest() == tmp_path / "step_000000000002"
+
+
+def test_encoded_file_is_one_buffer_and_files_of_earlier_versions_still_read(tmp_path):
+    state = {"w": torch.arange(6.0), "step": 3}
+    data = ckpt_io.encode(state)
+    header, _, payload = bytes(data).partition(b"\n")
+    magic, digest, length = header.split(b" ")
+    # The header is written in front of torch.save's bytes, in the same buffer: fixed width.
+    assert magic == b"LOCKSTEP-CKPT-1" and int(length) == len(payload) and len(length) == 20
+    assert digest == b"%08x" % zlib.crc32(payload)
+    # A file as lockstep wrote it before (the length not padded) reads the same.
+    earlier = b"LOCKSTEP-CKPT-1 %s %d\n" % (digest, len(payload)) + payload
+    for name, content in (("now.pt", data), ("earlier.pt", earlier)):
+        ckpt_io.write_atomic(tmp_path / name, content)
+        ckpt_io.check_length(tmp_path / name)
+        got = ckpt_io.load_file(tmp_path / name)
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 3
 
 
 def test_decode_names_truncation_corruption_and_foreign_files(tmp_path):

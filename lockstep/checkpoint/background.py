@@ -90,7 +90,7 @@ class BackgroundSave:
         publish: Callable[[], None],
         timeout: float,
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
-        copy: Callable[[str, bytes], None] | None = None,
+        copy: Callable[[str, bytes | memoryview], None] | None = None,
         deferred: DeferredCopy | None = None,
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world

@@ -72,23 +72,37 @@ def _checksum(payload: bytes | memoryview) -> bytes:
     return b"%08x" % zlib.crc32(payload)
 
 
-def encode(obj: Any) -> bytes:
-    """Serialise ``obj`` and prefix it with the header that lets :func:`decode` verify it."""
+def _header(digest: bytes, length: int) -> bytes:
+    # Fixed width (the length zero-padded), so that it can be written before the payload is
+    # known and filled in after: the bytes are never copied to put a header in front of them.
+    return b"%s %s %020d\n" % (_MAGIC, digest, length)
+
+
+_HEADER_SIZE = len(_header(b"0" * 8, 0))
+
+
+def encode(obj: Any) -> memoryview:
+    """Serialise ``obj`` and prefix it with the header that lets :func:`decode` verify it.
+
+    The result is a view of the one buffer ``torch.save`` wrote into (no copy of the payload).
+    """
     buffer = io.BytesIO()
+    buffer.write(bytes(_HEADER_SIZE))
     torch.save(obj, buffer)
-    payload = buffer.getvalue()
-    digest = _checksum(payload)
-    return b"%s %s %d\n" % (_MAGIC, digest, len(payload)) + payload
+    data = buffer.getbuffer()
+    payload = data[_HEADER_SIZE:]
+    data[:_HEADER_SIZE] = _header(_checksum(payload), len(payload))
+    return data
 
 
-def decode(data: bytes, path: Path | str) -> Any:
+def decode(data: bytes | memoryview, path: Path | str) -> Any:
     """Verify ``data`` (as read from ``path``) and deserialise it without running any code.
 
     Raises:
         CheckpointError: the file is truncated, corrupted, not a lockstep checkpoint, or holds
             objects other than tensors and plain containers.
     """
-    header, _, payload = data.partition(b"\n")
+    header, _, payload = bytes(data).partition(b"\n")
     parts = header.split(b" ")
     if len(parts) != 3 or parts[0] != _MAGIC:
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
@@ -112,7 +126,7 @@ def _safe_load(source: Any, path: Path | str) -> Any:
         ) from exc
 
 
-def _write_fully(fd: int, data: bytes) -> None:
+def _write_fully(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
@@ -133,7 +147,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` so that ``path`` is either absent or complete.
 
     The bytes go to ``path.tmp``, are fsync'ed, then renamed over ``path``.

@@ -59,7 +59,7 @@ class MemoryCopies:
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:012d}"
 
-    def keep(self, step: int, name: str, payload: bytes) -> None:
+    def keep(self, step: int, name: str, payload: bytes | memoryview) -> None:
         """Write one of this rank's encoded files of ``step`` (atomic: temporary file, rename)."""
         if not self._started:
             self._started = True
@@ -140,7 +140,7 @@ class MemoryCopies:
         for old in sorted(self._mine)[:-_KEEP_STEPS]:
             self._remove(old, self._mine.pop(old))
 
-    def _write(self, step: int, name: str, payload: bytes) -> None:
+    def _write(self, step: int, name: str, payload: bytes | memoryview) -> None:
         folder = self.step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{name}.{os.getpid()}.tmp"

@@ -34,10 +34,10 @@ logger = logging.getLogger(__name__)
 Attempt = Callable[[Callable[[], Any]], tuple[Any, "str | None"]]
 
 
-def memory_copy(memory: MemoryCopies, step: int, rank: int) -> Callable[[str, bytes], None]:
+def memory_copy(memory: MemoryCopies, step: int, rank: int) -> Callable[[str, bytes | memoryview], None]:
     """The ``copy`` callback of ``write_files``: a failure (tmpfs full) only costs the copy."""
 
-    def copy(name: str, data: bytes) -> None:
+    def copy(name: str, data: bytes | memoryview) -> None:
         try:
             memory.keep(step, name, data)
         except OSError as exc:

@@ -98,7 +98,7 @@ def collect_rank_files(
 
 
 def write_files(
-    staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes], None] | None = None
+    staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes | memoryview], None] | None = None
 ) -> None:
     """Encode (checksummed) and write each of ``files`` into ``staging`` atomically; ``copy``,
     if given, receives each file's name and bytes first (the shared-memory copy)."""
