@@ -7,11 +7,13 @@ in the middle of writing.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import resource
 import signal
+import tracemalloc
 import warnings
 import zlib
 from pathlib import Path
@@ -152,6 +154,39 @@ def test_encoded_file_is_one_buffer_and_files_of_earlier_versions_still_read(tmp
         ckpt_io.check_length(tmp_path / name)
         got = ckpt_io.load_file(tmp_path / name)
         assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+
+
+def test_streamed_file_equals_the_encoded_bytes_and_a_full_disk_keeps_the_old_one(
+        tmp_path, monkeypatch):
+    state = {"w": torch.randn(1000), "b": [torch.ones(3, dtype=torch.int64)], "n": None}
+    path = tmp_path / "state.pt"
+    ckpt_io.save_atomic(path, state)
+    assert path.read_bytes() == bytes(ckpt_io.encode(state))
+    # torch.save streams into the file: no copy of the 4 MiB payload is made in Python's memory
+    # (encode()'s buffer is one).
+    big = {"w": torch.zeros(2**20)}
+    tracemalloc.start()
+    try:
+        ckpt_io.save_atomic(tmp_path / "big.pt", big)
+        streamed = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        ckpt_io.encode(big)
+        buffered = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert streamed < 2**20 < 4 * 2**20 <= buffered, (streamed, buffered)
+    real_write = ckpt_io._write_fully
+
+    def full_after_the_header(fd: int, data) -> None:
+        if len(data) > 100:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+
+    monkeypatch.setattr(ckpt_io, "_write_fully", full_after_the_header)
+    with pytest.raises(CheckpointError, match=r"cannot write .*state\.pt: the disk or quota is full"):
+        ckpt_io.save_atomic(path, {"w": torch.zeros(1000)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt", "state.pt"]  # no .tmp left
+    assert torch.equal(ckpt_io.load_file(path)["w"], state["w"])  # the previous file, intact
 
 
 def test_decode_names_truncation_corruption_and_foreign_files(tmp_path):

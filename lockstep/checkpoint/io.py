@@ -15,7 +15,7 @@ import os
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "fsync_dir",
     "load_file",
     "read_verified",
+    "save_atomic",
     "write_atomic",
 ]
 
@@ -167,6 +168,62 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(describe_os_error(exc, path, len(data))) from exc
+
+
+class _Streamed:
+    """The file ``torch.save`` writes into: each piece goes straight to ``fd`` and into a running
+    CRC-32, so the payload is never held in memory as a whole."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.crc = 0
+        self.length = 0
+        self.error: OSError | None = None
+
+    def write(self, piece: bytes | memoryview) -> int:
+        self.crc = zlib.crc32(piece, self.crc)
+        self.length += len(piece)
+        try:
+            _write_fully(self.fd, piece)
+        except OSError as exc:
+            self.error = exc  # torch.save may wrap it: kept to be named
+            raise
+        return len(piece)
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+
+def save_atomic(path: Path, obj: Any) -> None:
+    """Encode ``obj`` as :func:`encode` does, straight into ``path`` (either absent or complete).
+
+    ``torch.save`` streams into ``path.tmp`` behind a header of fixed width, which is filled in
+    once the length and checksum are known; then fsync and rename. Unlike ``write_atomic(path,
+    encode(obj))`` no copy of the whole payload is made in memory.
+
+    Raises:
+        CheckpointError: the write failed; a full disk or quota is named as such.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    sink: _Streamed | None = None
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_fully(fd, bytes(_HEADER_SIZE))
+            sink = _Streamed(fd)
+            torch.save(obj, cast(IO[bytes], sink))  # write() is all torch.save uses
+            os.pwrite(fd, _header(b"%08x" % sink.crc, sink.length), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        error = sink.error if sink is not None and sink.error is not None else exc
+        if not isinstance(error, OSError):
+            raise
+        size = sink.length if sink is not None else None
+        raise CheckpointError(describe_os_error(error, path, size)) from error
 
 
 def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.directory import FORMAT, STATE_FILE, check_directory, rng_file
-from lockstep.checkpoint.io import check_loadable, encode, fsync_dir, write_atomic
+from lockstep.checkpoint.io import check_loadable, encode, fsync_dir, save_atomic, write_atomic
 from lockstep.checkpoint.sharded import shard_file
 from lockstep.checkpoint.state import capture_rng, object_state
 
@@ -101,11 +101,14 @@ def write_files(
     staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes | memoryview], None] | None = None
 ) -> None:
     """Encode (checksummed) and write each of ``files`` into ``staging`` atomically; ``copy``,
-    if given, receives each file's name and bytes first (the shared-memory copy)."""
+    if given, receives each file's name and bytes first (the shared-memory copy). Without
+    ``copy`` each file is streamed to the disk as it is encoded (no copy of it in memory)."""
     for name, content in files.items():
+        if copy is None:
+            save_atomic(staging / name, content)
+            continue
         data = encode(content)
-        if copy is not None:
-            copy(name, data)
+        copy(name, data)
         write_atomic(staging / name, data)
 
 
