@@ -127,7 +127,7 @@ def _safe_load(source: Any, path: Path | str) -> Any:
         ) from exc
 
 
-def _write_fully(fd: int, data: bytes | memoryview) -> None:
+def _write_fully(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
@@ -171,27 +171,45 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
 
 
 class _Streamed:
-    """The file ``torch.save`` writes into: each piece goes straight to ``fd`` and into a running
-    CRC-32, so the payload is never held in memory as a whole."""
+    """The file ``torch.save`` writes into: each piece goes to ``fd`` and into a running CRC-32,
+    so the payload is never held in memory as a whole. The zip format's many small pieces
+    (headers, names, small tensors) are gathered into writes of about a MiB; large pieces go
+    straight from the tensor's memory."""
+
+    _SMALL = 64 * 1024
+    _GATHER = 1024 * 1024
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.crc = 0
         self.length = 0
         self.error: OSError | None = None
+        self._pending = bytearray()
 
     def write(self, piece: bytes | memoryview) -> int:
         self.crc = zlib.crc32(piece, self.crc)
         self.length += len(piece)
-        try:
-            _write_fully(self.fd, piece)
-        except OSError as exc:
-            self.error = exc  # torch.save may wrap it: kept to be named
-            raise
+        if len(piece) < self._SMALL:
+            self._pending += piece
+            if len(self._pending) >= self._GATHER:
+                self.flush()
+        else:
+            self.flush()
+            self._write(piece)
         return len(piece)
 
     def flush(self) -> None:
-        """Nothing is buffered."""
+        """Write what was gathered."""
+        if self._pending:
+            self._write(self._pending)
+            self._pending = bytearray()
+
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            _write_fully(self.fd, data)
+        except OSError as exc:
+            self.error = exc  # torch.save may wrap it: kept to be named
+            raise
 
 
 def save_atomic(path: Path, obj: Any) -> None:
@@ -212,6 +230,7 @@ def save_atomic(path: Path, obj: Any) -> None:
             _write_fully(fd, bytes(_HEADER_SIZE))
             sink = _Streamed(fd)
             torch.save(obj, cast(IO[bytes], sink))  # write() is all torch.save uses
+            sink.flush()
             os.pwrite(fd, _header(b"%08x" % sink.crc, sink.length), 0)
             os.fsync(fd)
         finally:
