@@ -103,9 +103,14 @@ def decode(data: bytes | memoryview, path: Path | str) -> Any:
         CheckpointError: the file is truncated, corrupted, not a lockstep checkpoint, or holds
             objects other than tensors and plain containers.
     """
-    header, _, payload = bytes(data).partition(b"\n")
-    parts = header.split(b" ")
-    if len(parts) != 3 or parts[0] != _MAGIC:
+    header, newline, payload = bytes(data).partition(b"\n")
+    return _verified_load(header + newline, payload, path)
+
+
+def _verified_load(header: bytes, payload: bytes, path: Path | str) -> Any:
+    """Check ``payload`` against its ``header`` line (as written by :func:`encode`), then load it."""
+    parts = header.rstrip(b"\n").split(b" ")
+    if not header.endswith(b"\n") or len(parts) != 3 or parts[0] != _MAGIC:
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
     expected = int(parts[2]) if parts[2].isdigit() else -1
     if len(payload) != expected:
@@ -114,7 +119,7 @@ def decode(data: bytes | memoryview, path: Path | str) -> Any:
         )
     if _checksum(payload) != parts[1]:
         raise CheckpointError(f"{path} is corrupted: its CRC-32 checksum does not match its header")
-    return _safe_load(io.BytesIO(payload), path)
+    return _safe_load(io.BytesIO(payload), path)  # BytesIO shares the bytes, does not copy them
 
 
 def _safe_load(source: Any, path: Path | str) -> Any:
@@ -285,10 +290,12 @@ def check_length(path: Path) -> None:
 def read_verified(path: Path) -> Any:
     """Read, verify and deserialise one file written by :func:`write_atomic` of :func:`encode`."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as fh:
+            header = fh.readline(_HEADER_SIZE + 64)
+            payload = fh.read()  # the payload read apart from its header: never copied again
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    return decode(data, path)
+    return _verified_load(header, payload, path)
 
 
 def load_file(path: Path | str) -> Any:
