@@ -189,6 +189,30 @@ def test_streamed_file_equals_the_encoded_bytes_and_a_full_disk_keeps_the_old_on
     assert torch.equal(ckpt_io.load_file(path)["w"], state["w"])  # the previous file, intact
 
 
+def test_a_file_is_read_into_the_tensors_and_damage_is_named(tmp_path):
+    path = tmp_path / "state.pt"
+    ckpt_io.save_atomic(path, {"w": torch.arange(2**20, dtype=torch.float32)})
+    tracemalloc.start()
+    try:
+        got = ckpt_io.read_verified(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(got["w"], torch.arange(2**20, dtype=torch.float32))
+    assert peak < 2 * 2**20, peak  # the 4 MiB payload is checksummed in pieces, never held whole
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"state\.pt is corrupted: its CRC-32 checksum"):
+        ckpt_io.read_verified(path)
+    path.write_bytes(bytes(data[:-10]))
+    with pytest.raises(CheckpointError, match=r"state\.pt is truncated: \d+ of \d+ bytes"):
+        ckpt_io.read_verified(path)
+    path.write_bytes(b"PK" + bytes(100))
+    with pytest.raises(CheckpointError, match=r"state\.pt is not a lockstep checkpoint file"):
+        ckpt_io.read_verified(path)
+
+
 def test_decode_names_truncation_corruption_and_foreign_files(tmp_path):
     data = ckpt_io.encode({"w": torch.ones(3)})
     with pytest.raises(CheckpointError, match=r"f\.pt is truncated: \d+ of \d+ bytes"):

@@ -109,17 +109,65 @@ def decode(data: bytes | memoryview, path: Path | str) -> Any:
 
 def _verified_load(header: bytes, payload: bytes, path: Path | str) -> Any:
     """Check ``payload`` against its ``header`` line (as written by :func:`encode`), then load it."""
+    digest = _check_header(header, len(payload), path)
+    if _checksum(payload) != digest:
+        raise CheckpointError(f"{path} is corrupted: its CRC-32 checksum does not match its header")
+    return _safe_load(io.BytesIO(payload), path)  # BytesIO shares the bytes, does not copy them
+
+
+def _check_header(header: bytes, length: int, path: Path | str) -> bytes:
+    """The checksum ``header`` gives, once it is a lockstep header and ``length`` its length."""
     parts = header.rstrip(b"\n").split(b" ")
     if not header.endswith(b"\n") or len(parts) != 3 or parts[0] != _MAGIC:
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
     expected = int(parts[2]) if parts[2].isdigit() else -1
-    if len(payload) != expected:
+    if length != expected:
         raise CheckpointError(
-            f"{path} is truncated: {len(payload)} of {expected} bytes; the write was cut short"
+            f"{path} is truncated: {length} of {expected} bytes; the write was cut short"
         )
-    if _checksum(payload) != parts[1]:
-        raise CheckpointError(f"{path} is corrupted: its CRC-32 checksum does not match its header")
-    return _safe_load(io.BytesIO(payload), path)  # BytesIO shares the bytes, does not copy them
+    return parts[1]
+
+
+class _Section(io.RawIOBase):
+    """``length`` bytes of an open file from ``start`` on, as a file of their own: what
+    ``torch.load`` reads the payload through, straight into the tensors' memory."""
+
+    def __init__(self, fh: io.BufferedReader, start: int, length: int) -> None:
+        super().__init__()
+        self._fh, self._start, self._length, self._pos = fh, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), self._length - self._pos)
+        if count <= 0:
+            return 0
+        self._fh.seek(self._start + self._pos)
+        got = self._fh.readinto(view[:count]) or 0
+        self._pos += got
+        return got
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def checksum(self, chunk: int = 1024 * 1024) -> bytes:
+        """The CRC-32 of the section, read in pieces of ``chunk`` bytes (never whole)."""
+        crc, buffer = 0, bytearray(min(chunk, max(self._length, 1)))
+        self.seek(0)
+        while got := self.readinto(buffer):
+            crc = zlib.crc32(memoryview(buffer)[:got], crc)
+        self.seek(0)
+        return b"%08x" % crc
 
 
 def _safe_load(source: Any, path: Path | str) -> Any:
@@ -289,13 +337,22 @@ def check_length(path: Path) -> None:
 
 def read_verified(path: Path) -> Any:
     """Read, verify and deserialise one file written by :func:`write_atomic` of :func:`encode`."""
+    # The payload is read twice from the page cache, in pieces (its checksum) and then into the
+    # tensors: never held whole in memory beside them.
     try:
         with path.open("rb") as fh:
             header = fh.readline(_HEADER_SIZE + 64)
-            payload = fh.read()  # the payload read apart from its header: never copied again
+            start = fh.tell()
+            length = os.fstat(fh.fileno()).st_size - start
+            digest = _check_header(header, length, path)
+            payload = _Section(fh, start, length)
+            if payload.checksum() != digest:
+                raise CheckpointError(
+                    f"{path} is corrupted: its CRC-32 checksum does not match its header"
+                )
+            return _safe_load(payload, path)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    return _verified_load(header, payload, path)
 
 
 def load_file(path: Path | str) -> Any:
