@@ -8,6 +8,7 @@ in the middle of writing.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import random
@@ -144,16 +145,142 @@ def test_encoded_file_is_one_buffer_and_files_of_earlier_versions_still_read(tmp
     data = ckpt_io.encode(state)
     header, _, payload = bytes(data).partition(b"\n")
     magic, digest, length = header.split(b" ")
-    # The header is written in front of torch.save's bytes, in the same buffer: fixed width.
-    assert magic == b"LOCKSTEP-CKPT-1" and int(length) == len(payload) and len(length) == 20
+    # The header is written in front of the encoded bytes, in the same buffer: fixed width.
+    assert magic == b"LOCKSTEP-CKPT-2" and int(length) == len(payload) and len(length) == 20
     assert digest == b"%08x" % zlib.crc32(payload)
-    # A file as lockstep wrote it before (the length not padded) reads the same.
-    earlier = b"LOCKSTEP-CKPT-1 %s %d\n" % (digest, len(payload)) + payload
-    for name, content in (("now.pt", data), ("earlier.pt", earlier)):
+    # Files as lockstep wrote them before: torch.save's bytes, the length padded or not.
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    old = buffer.getvalue()
+    old_digest = b"%08x" % zlib.crc32(old)
+    padded = b"LOCKSTEP-CKPT-1 %s %020d\n" % (old_digest, len(old)) + old
+    earlier = b"LOCKSTEP-CKPT-1 %s %d\n" % (old_digest, len(old)) + old
+    for name, content in (("now.pt", data), ("padded.pt", padded), ("earlier.pt", earlier)):
         ckpt_io.write_atomic(tmp_path / name, content)
         ckpt_io.check_length(tmp_path / name)
         got = ckpt_io.load_file(tmp_path / name)
         assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+        assert ckpt_io.decode(content, name)["step"] == 3
+
+
+def _same_as_torch(got, want) -> None:
+    """``got`` is what ``want`` gives back through torch.save/torch.load: types, values, dtypes,
+    strides, offsets, requires_grad and which tensors share a storage."""
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.requires_grad) == (
+            want.dtype, want.shape, want.stride(), want.storage_offset(), want.requires_grad)
+        assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes()
+        assert torch.equal(got.detach(), want.detach())
+    elif isinstance(want, dict):
+        assert list(got) == list(want) and getattr(got, "__dict__", {}).keys() == getattr(
+            want, "__dict__", {}).keys()
+        for key in want:
+            _same_as_torch(got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _same_as_torch(a, b)
+    else:
+        assert got == want
+
+
+def test_lean_encoding_gives_back_what_torch_load_does(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    base = torch.arange(24, dtype=torch.float64)
+    state = {
+        "model": model.state_dict(),  # an OrderedDict with _metadata
+        "optimizer": optimizer.state_dict(),
+        "dtypes": [torch.ones(3, dtype=d) for d in (
+            torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.bool, torch.complex64)],
+        "views": (base, base[3:9], base.view(4, 6).t(), base.view(4, 6)[:, 2]),  # one storage
+        "odd": {0: torch.tensor(2.5), 1: torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True)},
+        "plain": [None, True, 7, 1.5, "text", ()],
+    }
+    path = tmp_path / "state.pt"
+    ckpt_io.save_atomic(path, state)
+    assert path.read_bytes().startswith(b"LOCKSTEP-CKPT-2 ")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    want = torch.load(buffer, weights_only=True)
+    for got in (ckpt_io.read_verified(path), ckpt_io.decode(ckpt_io.encode(state), "mem")):
+        _same_as_torch(got, want)
+        assert got["model"]._metadata == state["model"]._metadata
+        storages = {v.untyped_storage().data_ptr() for v in got["views"]}
+        assert len(storages) == 1  # the views still share their storage, as after torch.load
+    # What the lean encoding does not cover is written by torch.save, and reads back the same.
+    unusual = {"p": nn.Parameter(torch.ones(2)), "s": torch.ones(2, 2).to_sparse()}
+    ckpt_io.save_atomic(path, unusual)
+    assert path.read_bytes().startswith(b"LOCKSTEP-CKPT-1 ")
+    got = ckpt_io.read_verified(path)
+    assert type(got["p"]) is nn.Parameter and torch.equal(got["s"].to_dense(), torch.ones(2, 2))
+
+
+def _lean_file(path: Path, structure, tail: bytes = b"") -> None:
+    """Write ``structure`` as a lean checkpoint pickle, checksum and all, as a crafted file would."""
+    import pickle
+    import struct
+
+    body = pickle.dumps(("little", structure), protocol=4)
+    payload = struct.pack("<Q", len(body)) + body + tail
+    path.write_bytes(b"LOCKSTEP-CKPT-2 %08x %020d\n" % (zlib.crc32(payload), len(payload)) + payload)
+
+
+class _Described:
+    """Pickles as the persistent id of a tensor, with whatever description it is given."""
+
+    def __init__(self, pid) -> None:
+        self.pid = pid
+
+
+def test_lean_files_that_would_run_code_or_reach_past_their_end_are_refused(tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "state.pt"
+    _lean_file(path, {"meta": _Evil(marker)})
+    with pytest.raises(CheckpointError, match=r"refusing to load .*state\.pt: it refers to .*system"):
+        ckpt_io.read_verified(path)
+    assert not marker.exists()
+
+    class Crafted(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.pid if isinstance(obj, _Described) else None
+
+    def crafted(pid, tail: bytes) -> None:
+        buffer = io.BytesIO()
+        Crafted(buffer, protocol=4).dump(("little", {"w": _Described(pid)}))
+        body = buffer.getvalue()
+        import struct
+
+        payload = struct.pack("<Q", len(body)) + body
+        payload += bytes(-len(payload) % 64) + tail
+        path.write_bytes(b"LOCKSTEP-CKPT-2 %08x %020d\n" % (zlib.crc32(payload), len(payload)) + payload)
+
+    good = ("lockstep-tensor", 0, 16, "float32", 0, (4,), (1,), False)
+    crafted(good, bytes(16))
+    assert torch.equal(ckpt_io.read_verified(path)["w"], torch.zeros(4))
+    for pid, tail, why in (
+        (good[:5] + ((5,),) + good[6:], bytes(16), "past the end of its storage"),
+        (good[:2] + (2**40,) + good[3:], bytes(16), "more bytes than the file holds"),
+        (good[:3] + ("Tensor",) + good[4:], bytes(16), "unknown tensor dtype"),
+        (good[:6] + ((-1,),) + good[7:], bytes(16), "bad sizes"),
+        (good, bytes(24), "8 bytes past its last tensor"),
+    ):
+        crafted(pid, tail)
+        with pytest.raises(CheckpointError, match=f"refusing to load .*state\\.pt: its? .*{why}"):
+            ckpt_io.read_verified(path)
+    crafted(good, bytes(16))
+    data = bytearray(path.read_bytes())
+    data[-60] ^= 0x01  # inside the structure: damage, named as such
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"state\.pt is corrupted"):
+        ckpt_io.read_verified(path)
 
 
 def test_streamed_file_equals_the_encoded_bytes_and_a_full_disk_keeps_the_old_one(

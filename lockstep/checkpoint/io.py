@@ -1,8 +1,11 @@
 """How checkpoint bytes reach the disk and come back: atomically, checksummed, never unpickled.
 
 A checkpoint file is a one-line header (format tag, CRC-32 and length of the payload) followed
-by the payload, which is ``torch.save`` output. Reading checks the header before anything is
-deserialised, so a truncated or corrupted file is reported as such; deserialising uses
+by the payload: the lean encoding of ``tensorfile.py`` (tag ``LOCKSTEP-CKPT-2``) where the state
+is plain containers, scalars and dense CPU tensors, as a snapshot's always is, else ``torch.save``
+output (``LOCKSTEP-CKPT-1``). Reading checks the length before anything is deserialised and the
+checksum before anything is returned, so a truncated or corrupted file is reported as such;
+deserialising resolves no global but ``OrderedDict`` (lean) or uses
 ``torch.load(weights_only=True)``, which accepts tensors and plain containers only, so a file
 from elsewhere cannot run code. What we write is limited to those same types, checked up front.
 """
@@ -19,6 +22,8 @@ from typing import IO, Any, cast
 
 import torch
 
+from lockstep.checkpoint import tensorfile
+
 __all__ = [
     "CheckpointError",
     "check_length",
@@ -32,7 +37,9 @@ __all__ = [
     "write_atomic",
 ]
 
-_MAGIC = b"LOCKSTEP-CKPT-1"
+_MAGIC = b"LOCKSTEP-CKPT-1"  # the payload is torch.save output
+_LEAN_MAGIC = b"LOCKSTEP-CKPT-2"  # the payload is tensorfile's encoding
+_MAGICS = (_MAGIC, _LEAN_MAGIC)
 # Types that torch.load(weights_only=True) restores on every torch we support (>= 2.4).
 _SCALARS = (type(None), bool, int, float, str)
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -73,10 +80,10 @@ def _checksum(payload: bytes | memoryview) -> bytes:
     return b"%08x" % zlib.crc32(payload)
 
 
-def _header(digest: bytes, length: int) -> bytes:
+def _header(digest: bytes, length: int, magic: bytes = _MAGIC) -> bytes:
     # Fixed width (the length zero-padded), so that it can be written before the payload is
     # known and filled in after: the bytes are never copied to put a header in front of them.
-    return b"%s %s %020d\n" % (_MAGIC, digest, length)
+    return b"%s %s %020d\n" % (magic, digest, length)
 
 
 _HEADER_SIZE = len(_header(b"0" * 8, 0))
@@ -85,14 +92,20 @@ _HEADER_SIZE = len(_header(b"0" * 8, 0))
 def encode(obj: Any) -> memoryview:
     """Serialise ``obj`` and prefix it with the header that lets :func:`decode` verify it.
 
-    The result is a view of the one buffer ``torch.save`` wrote into (no copy of the payload).
+    The result is a view of the one buffer the payload was encoded into (no copy of it).
     """
     buffer = io.BytesIO()
     buffer.write(bytes(_HEADER_SIZE))
-    torch.save(obj, buffer)
+    lean = tensorfile.plan(obj)
+    if lean is not None:
+        for piece in lean.pieces():
+            buffer.write(piece)
+    else:
+        torch.save(obj, buffer)
     data = buffer.getbuffer()
     payload = data[_HEADER_SIZE:]
-    data[:_HEADER_SIZE] = _header(_checksum(payload), len(payload))
+    magic = _MAGIC if lean is None else _LEAN_MAGIC
+    data[:_HEADER_SIZE] = _header(_checksum(payload), len(payload), magic)
     return data
 
 
@@ -109,23 +122,44 @@ def decode(data: bytes | memoryview, path: Path | str) -> Any:
 
 def _verified_load(header: bytes, payload: bytes, path: Path | str) -> Any:
     """Check ``payload`` against its ``header`` line (as written by :func:`encode`), then load it."""
-    digest = _check_header(header, len(payload), path)
+    magic, digest = _check_header(header, len(payload), path)
+    source = io.BytesIO(payload)  # shares the bytes, does not copy them
+    if magic == _LEAN_MAGIC:
+        return _lean_load(source.readinto, len(payload), lambda: _checksum(payload), digest, path)
     if _checksum(payload) != digest:
-        raise CheckpointError(f"{path} is corrupted: its CRC-32 checksum does not match its header")
-    return _safe_load(io.BytesIO(payload), path)  # BytesIO shares the bytes, does not copy them
+        raise CheckpointError(_corrupted(path))
+    return _safe_load(source, path)
 
 
-def _check_header(header: bytes, length: int, path: Path | str) -> bytes:
-    """The checksum ``header`` gives, once it is a lockstep header and ``length`` its length."""
+def _corrupted(path: Path | str) -> str:
+    return f"{path} is corrupted: its CRC-32 checksum does not match its header"
+
+
+def _lean_load(readinto: Any, length: int, checksum: Any, digest: bytes, path: Path | str) -> Any:
+    """Rebuild a lean payload in one pass, checksumming it on the way (see ``tensorfile.read``)."""
+    try:
+        obj, crc = tensorfile.read(readinto, length)
+    except ValueError as exc:
+        if checksum() != digest:  # damage, not a crafted file: say so
+            raise CheckpointError(_corrupted(path)) from exc
+        raise CheckpointError(f"refusing to load {path}: {exc}") from exc
+    if b"%08x" % crc != digest:
+        raise CheckpointError(_corrupted(path))
+    return obj
+
+
+def _check_header(header: bytes, length: int, path: Path | str) -> tuple[bytes, bytes]:
+    """The format tag and checksum ``header`` gives, once it is a lockstep header and
+    ``length`` its length."""
     parts = header.rstrip(b"\n").split(b" ")
-    if not header.endswith(b"\n") or len(parts) != 3 or parts[0] != _MAGIC:
+    if not header.endswith(b"\n") or len(parts) != 3 or parts[0] not in _MAGICS:
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
     expected = int(parts[2]) if parts[2].isdigit() else -1
     if length != expected:
         raise CheckpointError(
             f"{path} is truncated: {length} of {expected} bytes; the write was cut short"
         )
-    return parts[1]
+    return parts[0], parts[1]
 
 
 class _Section(io.RawIOBase):
@@ -282,9 +316,15 @@ def save_atomic(path: Path, obj: Any) -> None:
         try:
             _write_fully(fd, bytes(_HEADER_SIZE))
             sink = _Streamed(fd)
-            torch.save(obj, cast(IO[bytes], sink))  # write() is all torch.save uses
+            lean = tensorfile.plan(obj)
+            if lean is not None:
+                for piece in lean.pieces():
+                    sink.write(piece)
+            else:
+                torch.save(obj, cast(IO[bytes], sink))  # write() is all torch.save uses
             sink.flush()
-            os.pwrite(fd, _header(b"%08x" % sink.crc, sink.length), 0)
+            magic = _MAGIC if lean is None else _LEAN_MAGIC
+            os.pwrite(fd, _header(b"%08x" % sink.crc, sink.length, magic), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -327,7 +367,7 @@ def check_length(path: Path) -> None:
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     parts = header.rstrip(b"\n").split(b" ")
-    if len(parts) != 3 or parts[0] != _MAGIC or not parts[2].isdigit():
+    if len(parts) != 3 or parts[0] not in _MAGICS or not parts[2].isdigit():
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
     if size - len(header) != int(parts[2]):
         raise CheckpointError(
@@ -337,19 +377,20 @@ def check_length(path: Path) -> None:
 
 def read_verified(path: Path) -> Any:
     """Read, verify and deserialise one file written by :func:`write_atomic` of :func:`encode`."""
-    # The payload is read twice from the page cache, in pieces (its checksum) and then into the
-    # tensors: never held whole in memory beside them.
+    # The payload is never held whole in memory beside the tensors: a lean one is read once,
+    # straight into them, checksummed on the way; torch.save output twice from the page cache,
+    # in pieces (its checksum), then by torch.load.
     try:
         with path.open("rb") as fh:
             header = fh.readline(_HEADER_SIZE + 64)
             start = fh.tell()
             length = os.fstat(fh.fileno()).st_size - start
-            digest = _check_header(header, length, path)
+            magic, digest = _check_header(header, length, path)
             payload = _Section(fh, start, length)
+            if magic == _LEAN_MAGIC:
+                return _lean_load(payload.readinto, length, payload.checksum, digest, path)
             if payload.checksum() != digest:
-                raise CheckpointError(
-                    f"{path} is corrupted: its CRC-32 checksum does not match its header"
-                )
+                raise CheckpointError(_corrupted(path))
             return _safe_load(payload, path)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
@@ -375,7 +416,7 @@ def load_file(path: Path | str) -> Any:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
         with path.open("rb") as f:
-            if f.read(len(_MAGIC)) != _MAGIC:
+            if f.read(len(_MAGIC)) not in _MAGICS:
                 f.seek(0)
                 return _safe_load(f, path)
     except OSError as exc:

@@ -1,0 +1,234 @@
+"""A lean encoding of a checkpoint's state: the structure pickled once, then the tensors' bytes.
+
+``torch.save`` runs Python hooks for every object it pickles and writes each tensor as an entry
+of a zip archive; for a state of a few hundred tensors that is most of a save's CPU time (22 of
+the 39 ms a 9.5 MiB GPT + AdamW state took on the writing thread). Here the structure (dicts,
+lists, tuples, numbers, strings; an ``OrderedDict`` with its attributes, as ``state_dict()``
+returns) goes through the C pickler with each tensor replaced by a description of it, and each
+storage's bytes follow, 64-byte aligned, written straight from the tensor's memory::
+
+    <u64 length of the pickle> <pickle> <pad> <storage 0> <pad> <storage 1> <pad> ...
+
+Loading never runs code: the unpickler resolves one global (``collections.OrderedDict``), and
+the reader rebuilds each tensor from its description after checking it against the file.
+
+A state holding anything else (a tensor subclass such as ``nn.Parameter``, a tensor not in CPU
+memory, sparse or quantized, another type) has no such encoding: :func:`plan` returns ``None``
+and the caller falls back to ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import io
+import pickle
+import struct
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Plan", "plan", "read"]
+
+_ALIGN = 64
+_LENGTH = struct.Struct("<Q")
+_PLAIN = frozenset({type(None), bool, int, float, str, dict, collections.OrderedDict, list, tuple})
+_TAG = "lockstep-tensor"
+
+
+def _memory(storage: torch.UntypedStorage) -> memoryview:
+    """A byte view of a CPU storage's memory (no copy); the storage must outlive it."""
+    size = storage.nbytes()
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * size).from_address(storage.data_ptr())).cast("B")
+
+
+def _padding(offset: int) -> int:
+    return -offset % _ALIGN
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the structure; each tensor becomes a persistent id describing it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=4)
+        self.storages: list[torch.UntypedStorage] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _PLAIN or obj is collections.OrderedDict:  # the class: how one is rebuilt
+            return None
+        if kind is not torch.Tensor:
+            raise _NotPlain(kind.__name__)
+        if (obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized
+                or obj.is_nested or obj.is_conj() or obj.is_neg()):
+            raise _NotPlain("tensor")
+        storage = obj.untyped_storage()
+        size = storage.nbytes()
+        key = storage.data_ptr()
+        index = self._index.get(key) if size else None
+        if index is None or self.storages[index].nbytes() != size:
+            index = len(self.storages)
+            self.storages.append(storage)
+            if size:
+                self._index[key] = index
+        dtype = str(obj.dtype).removeprefix("torch.")
+        return (_TAG, index, size, dtype, obj.storage_offset(), tuple(obj.shape),
+                obj.stride(), obj.requires_grad)
+
+
+class Plan:
+    """What encoding one state writes: :meth:`pieces` yields its bytes in order, the storages'
+    as views of the tensors' own memory. Holds the tensors until dropped."""
+
+    def __init__(self, header: bytes, storages: list[torch.UntypedStorage]) -> None:
+        self._header, self._storages = header, storages
+
+    def pieces(self) -> Iterator[bytes | memoryview]:
+        offset = len(self._header)
+        yield self._header
+        for storage in self._storages:
+            pad = _padding(offset)
+            if pad:
+                yield bytes(pad)
+            view = _memory(storage)
+            if len(view):
+                yield view
+            offset += pad + len(view)
+
+
+def plan(obj: Any) -> Plan | None:
+    """The lean encoding of ``obj``, or ``None`` where it holds more than plain containers,
+    scalars and dense CPU tensors (write it with ``torch.save`` then)."""
+    buffer = io.BytesIO()
+    buffer.write(_LENGTH.pack(0))
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump((sys.byteorder, obj))
+    except _NotPlain:
+        return None
+    header = buffer.getbuffer()
+    header[:_LENGTH.size] = _LENGTH.pack(len(header) - _LENGTH.size)
+    return Plan(bytes(header), pickler.storages)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves no global but ``collections.OrderedDict``; tensors come from :class:`_Tensors`."""
+
+    def __init__(self, data: bytes, tensors: _Tensors) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise ValueError(f"it refers to {module}.{name}; lockstep checkpoints hold none")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._tensors.build(pid)
+
+
+def _dtype(name: Any) -> torch.dtype:
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"it names an unknown tensor dtype {name!r}")
+    return found
+
+
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
+    """Elements of storage a view of ``shape`` and ``stride`` from ``offset`` reaches."""
+    if any(n == 0 for n in shape):
+        return 0
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+
+
+def _naturals(values: Any, count: int | None = None) -> bool:
+    return (isinstance(values, tuple) and (count is None or len(values) == count)
+            and all(type(v) is int and v >= 0 for v in values))
+
+
+class _Tensors:
+    """The storages of one file, allocated as the pickle names them (never more bytes than the
+    file holds), and the tensors viewing them."""
+
+    def __init__(self, start: int, length: int) -> None:
+        self.storages: list[torch.UntypedStorage] = []
+        self._end, self._length = start, length  # where the storages named so far end
+
+    def build(self, pid: Any) -> torch.Tensor:
+        if not (isinstance(pid, tuple) and len(pid) == 8 and pid[0] == _TAG):
+            raise ValueError("it holds an unknown persistent object")
+        _, index, size, dtype_name, offset, shape, stride, requires_grad = pid
+        if not (_naturals((index, size, offset)) and _naturals(shape)
+                and _naturals(stride, len(shape)) and type(requires_grad) is bool):
+            raise ValueError("it describes a tensor with bad sizes")
+        dtype = _dtype(dtype_name)
+        if index == len(self.storages):
+            self._end += _padding(self._end) + size
+            if self._end > self._length:
+                raise ValueError("its tensors need more bytes than the file holds")
+            self.storages.append(torch.empty(size, dtype=torch.uint8).untyped_storage())
+        elif index > len(self.storages) or self.storages[index].nbytes() != size:
+            raise ValueError("it describes a tensor's storage inconsistently")
+        storage = self.storages[index]
+        if _extent(shape, stride, offset) * dtype.itemsize > size:
+            raise ValueError("it has a tensor reaching past the end of its storage")
+        tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+        return tensor.requires_grad_(requires_grad)
+
+
+def read(readinto: Callable[[memoryview], int], length: int) -> tuple[Any, int]:
+    """Rebuild the state whose lean encoding is the next ``length`` bytes ``readinto`` gives;
+    also the CRC-32 of every byte read.
+
+    Raises:
+        ValueError: the bytes are not such an encoding (truncated, damaged, or written to run
+            code); the caller compares the CRC-32 to tell a damaged file from a crafted one.
+    """
+    crc, consumed = 0, 0
+
+    def fill(view: memoryview) -> None:
+        nonlocal crc, consumed
+        done = 0
+        while done < len(view):
+            got = readinto(view[done:])
+            if not got:
+                raise ValueError(f"it ends after {consumed + done} of {length} bytes")
+            done += got
+        crc = zlib.crc32(view, crc)
+        consumed += len(view)
+
+    if length < _LENGTH.size:
+        raise ValueError("it is too short to hold a state")
+    head = memoryview(bytearray(_LENGTH.size))
+    fill(head)
+    (size,) = _LENGTH.unpack(head)
+    if size > length - consumed:
+        raise ValueError("its structure is longer than the file")
+    data = memoryview(bytearray(size))
+    fill(data)
+    tensors = _Tensors(consumed, length)
+    try:
+        byteorder, obj = _Unpickler(bytes(data), tensors).load()
+    except ValueError:
+        raise
+    except Exception as exc:  # any unpickling failure: a damaged or foreign structure
+        raise ValueError(f"its structure does not unpickle ({type(exc).__name__}: {exc})") from exc
+    if byteorder != sys.byteorder:
+        raise ValueError(f"it was written on a {byteorder}-endian machine; this one is {sys.byteorder}-endian")
+    pad = bytearray(_ALIGN)
+    for storage in tensors.storages:
+        fill(memoryview(pad)[:_padding(consumed)])
+        fill(_memory(storage))
+    if consumed != length:
+        raise ValueError(f"it holds {length - consumed} bytes past its last tensor")
+    return obj, crc
