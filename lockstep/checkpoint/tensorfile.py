@@ -139,9 +139,9 @@ class _Unpickler(pickle.Unpickler):
 
 def _dtype(name: Any) -> torch.dtype:
     found = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"it names an unknown tensor dtype {name!r}")
-    return found
+    if isinstance(found, torch.dtype):
+        return found
+    raise ValueError(f"it names an unknown tensor dtype {name!r}")
 
 
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
