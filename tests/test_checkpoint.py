@@ -28,6 +28,7 @@ from torch import nn
 import lockstep
 from lockstep.checkpoint import Checkpointer, CheckpointError, load_weights
 from lockstep.checkpoint import io as ckpt_io
+from lockstep.small_gather import SLOT_BYTES, all_gather_small
 
 # torch sets TORCHINDUCTOR_CACHE_DIR the first time an Adam is built; do it at import so the
 # conftest's environment-leak check does not blame the first test that builds one.
@@ -457,6 +458,10 @@ def test_full_disk_message():
 def _world_of_two(rank: int, directory: str) -> None:
     """Resume exactly, survive a full disk on rank 1, then die while writing (rank 0)."""
     lockstep.init_distributed()
+    # The checkpoint's agreements: small values in one collective, a larger one (rank 1's)
+    # taking every rank to all_gather_object.
+    gathered = [all_gather_small(("dir", rank, None)),
+                all_gather_small("x" * (SLOT_BYTES + 1) if rank == 1 else rank)]
     _seed_all(100 + rank)  # every rank draws its own data: per-rank RNG states matter
     objs = _objects()
     ckpt = Checkpointer(directory, keep=3)
@@ -488,7 +493,8 @@ def _world_of_two(rank: int, directory: str) -> None:
         except CheckpointError as exc:
             only_rank0 = str(exc)
     result = {"step": resumed.step, "exact": exact, "error": error, "latest": str(ckpt.latest()),
-              "only_rank0": only_rank0}
+              "only_rank0": only_rank0,
+              "gathered": gathered == [[("dir", 0, None), ("dir", 1, None)], [0, "x" * (SLOT_BYTES + 1)]]}
     Path(directory, f"result{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     if rank == 0:
@@ -514,7 +520,7 @@ def test_world_of_two_resume_full_disk_and_kill_mid_write(tmp_path):
         lockstep.spawn(_world_of_two, 2, (str(ckpt_dir),), timeout=120)
     for rank in range(2):
         result = json.loads((ckpt_dir / f"result{rank}.json").read_text())
-        assert result["step"] == 2 and result["exact"], f"rank {rank}: {result}"
+        assert result["step"] == 2 and result["exact"] and result["gathered"], f"rank {rank}: {result}"
         # A full disk on rank 1 only: every rank gets the error; step 2 survives.
         assert "failed on rank 1: cannot write" in result["error"]
         assert "disk or quota is full" in result["error"]

@@ -52,7 +52,7 @@ from lockstep.checkpoint.restoring import (
     restore_from_memory,
     ring_exchange,
 )
-from lockstep.checkpoint.sharded import saves_sharded, shard_writers
+from lockstep.checkpoint.sharded import saves_sharded, shard_writers, writes_shard
 from lockstep.checkpoint.snapshot import Snapshot
 from lockstep.checkpoint.writing import (
     collect_rank_files,
@@ -61,6 +61,7 @@ from lockstep.checkpoint.writing import (
     staging_dir,
     write_files,
 )
+from lockstep.small_gather import all_gather_small
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 
@@ -203,11 +204,6 @@ class Checkpointer:
         self._settle()
         self._replicate()
 
-    def _busy(self) -> bool:
-        """Whether any rank's previous asynchronous save is still being written."""
-        busy = self._pending is not None and self._pending.running()
-        return any(self._gather(busy))
-
     def _replicate(self) -> None:
         """With ``memory=True``, copy the last save's files to the next rank's machine."""
         step, self._unreplicated = self._unreplicated, None
@@ -262,11 +258,14 @@ class Checkpointer:
         self._calls += 1
         meet(self.directory, call, self._calls, self.timeout, self.process_group)
 
-    def _check_agreement(self, call: str, step: int | None = None) -> None:
-        """Raise on every rank if the ranks passed different directories or steps."""
+    def _check_agreement(self, call: str, step: int | None = None, busy: bool = False) -> bool:
+        """Raise on every rank if the ranks passed different directories or steps; return
+        whether any rank said it was ``busy`` (one collective for both)."""
         if self._rank_and_world()[1] == 1:
-            return
-        check_agreement(call, self._gather((str(self.directory), step)))
+            return busy
+        seen = self._gather((str(self.directory), step, busy))
+        check_agreement(call, [(where, at) for where, at, _ in seen])
+        return any(flag for _, _, flag in seen)
 
     # -- ranks -------------------------------------------------------------------------------
 
@@ -279,9 +278,7 @@ class Checkpointer:
         """Every rank's ``value`` (also a barrier); a world of one needs no group."""
         if self._rank_and_world()[1] == 1:
             return [value]
-        out: list[Any] = [None] * self._rank_and_world()[1]
-        dist.all_gather_object(out, value, group=self.process_group)
-        return out
+        return all_gather_small(value, self.process_group)
 
     def close(self) -> None:
         """Wait for the save in flight and remove this rank's shared-memory copies, if any;
@@ -290,11 +287,14 @@ class Checkpointer:
         if self._memory is not None:
             self._memory.clear()
 
-    def _agree(self, what: str, error: str | None, cleanup: Callable[[], None] | None = None):
-        """Raise the same error on every rank if any rank failed at ``what``."""
-        failures = [(rank, err) for rank, err in enumerate(self._gather(error)) if err]
+    def _agree(self, what: str, error: str | None, cleanup: Callable[[], None] | None = None,
+               value: Any = None) -> list[Any]:
+        """Raise the same error on every rank if any rank failed at ``what``; else every
+        rank's ``value`` (gathered in the same collective)."""
+        seen = self._gather((error, value))
+        failures = [(rank, err) for rank, (err, _) in enumerate(seen) if err]
         if not failures:
-            return
+            return [got for _, got in seen]
         if cleanup is not None:
             cleanup()
         rank, err = failures[0]
@@ -358,8 +358,10 @@ class Checkpointer:
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         self._meet(f"save(step={step})")
-        self._check_agreement(f"save(step={step})", step)
-        if not blocking and self.when_busy == "skip" and self._busy():
+        may_skip = not blocking and self.when_busy == "skip"
+        busy = may_skip and self._pending is not None and self._pending.running()
+        # One collective agrees on the directory and step and on whether any rank is busy.
+        if self._check_agreement(f"save(step={step})", step, busy) and may_skip:
             logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
             return self.directory / dir_name(step)
         self._settle()
@@ -370,14 +372,16 @@ class Checkpointer:
         staging = staging_dir(final)
         error = (self._attempt(lambda: prepare_staging(self.directory, staging))[1]
                  if rank == 0 else None)
-        self._agree(f"saving checkpoint {final}", error)
         for obj in objects.values():
             consolidate = getattr(obj, "consolidate_state_dict", None)
             if callable(consolidate):
                 consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
-        writers = shard_writers([objects[name] for name in sharded], self._gather)  # replicas skip
+        # Whether the staging directory is there, and who writes a shard file (replicas
+        # skip), agreed in one collective.
+        writes = writes_shard([objects[name] for name in sharded])
+        writers = shard_writers(self._agree(f"saving checkpoint {final}", error, value=writes))
 
         optimizers = stepping_optimizers(objects) if self.defer_copy and not blocking else []
         deferred: list[DeferredCopy] = []

@@ -8,6 +8,7 @@ are told so at once instead of timing out.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from datetime import timedelta
@@ -79,7 +80,10 @@ def _wait(
                 f"Checkpointer.{call}: the ranks use different directories ({listed}). Every "
                 "rank must pass the same directory (one shared by all of them)."
             )
-        time.sleep(pause)
+        # Back as soon as they all arrive, else (timed out: DistStoreError, a RuntimeError)
+        # after `pause`, to look again.
+        with contextlib.suppress(RuntimeError):
+            store.wait([keys[rank] for rank in missing], timedelta(seconds=pause))
         pause = min(pause * 2, _POLL_S)
 
 

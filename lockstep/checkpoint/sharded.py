@@ -8,7 +8,8 @@ each rank's pieces of all such objects go into one file of that rank, ``shard-ra
 
 A rank whose pieces only repeat another rank's (a replica under hybrid sharding) says so with
 ``writes_piece()`` returning false: it writes no shard file, and the ranks agree on who writes
-before anything is written (:func:`shard_writers`, a collective), so no rank waits on another.
+before anything is written (:func:`writes_shard`, gathered in a collective), so no rank waits
+on another.
 
 Restoring calls ``load_sharded_state_dict`` with a :class:`SavedPieces`: the world size that
 saved and each writing rank's piece, read from its file (checksum verified) only when asked
@@ -17,14 +18,14 @@ for, so that a restore at another world size reads only the files it needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.io import CheckpointError, read_verified
 
 __all__ = ["SavedPieces", "ShardFiles", "saves_sharded", "shard_file", "shard_ranks", "shard_writers",
-           "writes_piece"]
+           "writes_piece", "writes_shard"]
 
 
 def saves_sharded(obj: Any) -> bool:
@@ -42,13 +43,14 @@ def writes_piece(obj: Any) -> bool:
     return bool(method()) if callable(method) else True
 
 
-def shard_writers(objects: Iterable[Any], gather: Callable[[Any], list[Any]]) -> list[int]:
-    """The ranks that write a shard file: those with a needed piece of one of ``objects``.
+def writes_shard(objects: Iterable[Any]) -> bool:
+    """Whether this rank writes a shard file: it holds a needed piece of one of ``objects``."""
+    return any(writes_piece(obj) for obj in objects)
 
-    A collective: every rank calls it, ``gather(value)`` returning every rank's ``value`` in
-    rank order (an ``all_gather_object``), so a rank that writes nothing still takes part.
-    """
-    flags = gather(any(writes_piece(obj) for obj in objects))
+
+def shard_writers(flags: list[bool]) -> list[int]:
+    """The ranks that write a shard file, from every rank's :func:`writes_shard` in rank order
+    (gathered by a collective every rank takes part in, so a rank writing nothing does too)."""
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
