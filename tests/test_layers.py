@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ]),
     ("collectives", [
         "lockstep.distributed", "lockstep.launcher.spawn", "lockstep.launcher.payload",
-        "lockstep.multiproc",
+        "lockstep.multiproc", "lockstep.small_gather",
     ]),
     ("comm hooks", ["lockstep.comm"]),
     ("parallel", [
