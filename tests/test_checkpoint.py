@@ -222,6 +222,13 @@ def test_lean_encoding_gives_back_what_torch_load_does(tmp_path):
     assert type(got["p"]) is nn.Parameter and torch.equal(got["s"].to_dense(), torch.ones(2, 2))
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "refine_names"), reason="named tensors are gone from this torch")
+def test_named_tensors_are_not_saved_without_their_names(tmp_path):
+    named = torch.zeros(2, 3).refine_names("N", "C")
+    with pytest.raises(RuntimeError, match="(?i)named"):  # torch.save's own refusal, as before
+        ckpt_io.save_atomic(tmp_path / "state.pt", {"x": named})
+
+
 def _lean_file(path: Path, structure, tail: bytes = b"") -> None:
     """Write ``structure`` as a lean checkpoint pickle, checksum and all, as a crafted file would."""
     import pickle

@@ -70,7 +70,8 @@ class _Pickler(pickle.Pickler):
         if kind is not torch.Tensor:
             raise _NotPlain(kind.__name__)
         if (obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized
-                or obj.is_nested or obj.is_conj() or obj.is_neg()):
+                or obj.is_nested or obj.is_conj() or obj.is_neg()
+                or any(getattr(obj, "names", ()))):  # named tensors (torch < 2.13): torch.save refuses them
             raise _NotPlain("tensor")
         storage = obj.untyped_storage()
         size = storage.nbytes()
