@@ -67,8 +67,10 @@ def _args(*argv: str):
         (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:0", "JOB"], "port 0 cannot be shared"),
         (["--rdzv-conf", "timeout", "JOB"], "'timeout' is not KEY=VALUE"),
         (["--local-ranks-filter", "a", "JOB"], "--local-ranks-filter 'a' is not a list"),
-        (["--survivors", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400", "JOB"],
-         "--survivors runs on one machine"),
+        (["--survivors", "--nnodes", "1:2", "--rdzv-endpoint", "10.0.0.1:29400", "JOB"],
+         "--survivors needs a fixed number of machines"),
+        (["--survivors", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400", "--node-timeout",
+          "0", "JOB"], "--node-timeout 0.0: must be positive seconds"),
         (["--survivors", "--spares", "-1", "JOB"], "--spares -1: must be 0 or more"),
     ],
 )

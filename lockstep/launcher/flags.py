@@ -36,8 +36,11 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
                             "help": "VirtualShardDDP's shards: check the world divides V, "
                                     "pass V to the workers (LOCKSTEP_VIRTUAL_SHARDS)"}),
     ("survivors", {"action": "store_true",
-                   "help": "one machine: when a worker dies the others keep training and a "
+                   "help": "when a worker or a machine dies the others keep training and a "
                            "replacement joins (the script uses lockstep.Survivors)"}),
+    ("node-timeout", {"type": float, "default": 10.0, "metavar": "SECONDS",
+                      "help": "with --survivors on several machines: a machine whose launcher "
+                              "is silent this long is counted lost (default 10)"}),
     ("spares", {"type": int, "default": 1, "metavar": "K",
                 "help": "with --survivors: K warm spare workers, started with the others and "
                         "waiting with their imports done, to replace a failed one at once"}),

@@ -63,6 +63,7 @@ class LaunchPlan:
     local_ranks_filter: frozenset[int] | None = None
     survivors: bool = False  # --survivors: lockstep.launcher.survivors supervises the workers
     spares: int = 1  # with survivors: warm spare workers
+    node_timeout: float = 10.0  # with survivors on several machines: silence that counts lost
     fork_workers: bool = True  # with restarts: workers forked from a server that has torch
 
     def __post_init__(self) -> None:
@@ -94,12 +95,20 @@ class LaunchPlan:
             raise ValueError("a launch plan needs an entrypoint, a rendezvous backend and endpoint")
         if not isinstance(self.spares, int) or self.spares < 0:
             raise ValueError(f"--spares {self.spares}: must be 0 or more")
-        if self.survivors and self.max_nodes != 1:
+        if self.survivors and self.min_nodes != self.max_nodes:
             raise ValueError(
-                f"--survivors runs on one machine; this job has --nnodes {self.min_nodes}:"
-                f"{self.max_nodes}. Drop --survivors (every worker restarts after a failure, "
-                "with --max-restarts) or run on one machine."
+                f"--survivors needs a fixed number of machines; this job has --nnodes "
+                f"{self.min_nodes}:{self.max_nodes}. Give --nnodes N (a lost machine's ranks "
+                "leave the world and a launcher started again for it brings replacements), or "
+                "drop --survivors (every worker restarts after a failure, with --max-restarts)."
             )
+        if self.survivors and self.max_nodes > 1 and self.rdzv_endpoint.endswith(":0"):
+            raise ValueError(
+                "--survivors on several machines needs --rdzv-endpoint HOST:PORT with a fixed "
+                "port: machine 0's launcher hosts the job's store there"
+            )
+        if not self.node_timeout > 0:
+            raise ValueError(f"--node-timeout {self.node_timeout}: must be positive seconds")
         outside = sorted(set(self.local_ranks_filter or ()) - set(range(self.nproc_per_node)))
         if outside:
             raise ValueError(
@@ -285,6 +294,7 @@ def plan_from_args(
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         survivors=bool(getattr(args, "survivors", False)),
         spares=getattr(args, "spares", 1),
+        node_timeout=getattr(args, "node_timeout", 10.0),
         fork_workers=not getattr(args, "no_fork", False),
     )
 

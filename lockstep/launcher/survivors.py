@@ -1,4 +1,4 @@
-"""``lockstep run --survivors``: one machine's workers, where a death stops nobody else.
+"""``lockstep run --survivors``: workers where a death stops nobody else.
 
 torch's elastic agent restarts every worker after any failure. Here the launcher hosts the
 job's store itself, starts one process per rank, and when one dies it marks the dead process
@@ -11,6 +11,12 @@ zygote that imported torch once (:mod:`lockstep.launcher.zygote`), so a new spar
 take a core from the training ranks for the seconds of ``import torch``. The survivors keep training in a smaller world; the replacement joins at a step
 boundary. The job ends when every worker has exited 0; it fails (the others stopped) when a
 worker fails with no restart left or nobody is left alive to take a replacement in.
+
+On several machines (``--nnodes N`` with ``--node-rank``), machine 0's launcher hosts the store
+at the rendezvous endpoint and the others connect to it; each launcher starts and replaces its
+own machine's ranks, and they watch each other's heartbeats (:mod:`lockstep.launcher.machines`):
+the ranks of a machine that stops answering for ``--node-timeout`` seconds are marked dead and
+the others go on; a launcher started again for that machine brings replacements.
 """
 
 from __future__ import annotations
@@ -30,17 +36,19 @@ from typing import IO, Protocol, TextIO
 import torch.distributed as dist
 
 from lockstep.diagnose.progress import INTERVAL_ENV_VAR
-from lockstep.launcher.launch_plan import LaunchPlan
+from lockstep.launcher.launch_plan import LaunchPlan, parse_endpoint
+from lockstep.launcher.machines import Machines
 from lockstep.launcher.output import PrefixWriter
 from lockstep.launcher.spawn import find_free_port
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 from lockstep.launcher.zygote import ForkedProcess, Zygote, can_fork
-from lockstep.resilience.roster import job_store
+from lockstep.resilience.roster import dead_key, job_store, spare_key
 from lockstep.resilience.survivors import JOIN_ENV, SPARE_ENV, SURVIVORS_ENV
 
 __all__ = ["supervise"]
 
 _STOP_GRACE_S = 5.0
+_STORE_WAIT_S = 600.0  # how long a machine's launcher waits for machine 0's store
 
 Worker = subprocess.Popen | ForkedProcess  # a process started for a rank, or a spare
 
@@ -99,9 +107,24 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 def supervise(plan: LaunchPlan) -> int:
     """Run ``plan``'s workers on this machine with survivors; returns the exit status."""
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
-    job = _Job(plan)
+    try:
+        job = _Job(plan)
+    except dist.DistError as err:  # machine 0's launcher never came up, or is unreachable
+        print(f"lockstep run: could not reach the job's store at {plan.rdzv_endpoint} ({err}): "
+              "start machine 0's launcher there (it hosts the store), or check --rdzv-endpoint",
+              file=sys.stderr)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        return 1
     try:
         return job.run()
+    except dist.DistError as err:  # the job's store (machine 0's launcher) is gone
+        job.stop_all()
+        print(f"lockstep run: lost the job's store at {plan.rdzv_endpoint} ({err}); machine 0, "
+              "whose launcher hosts it, is gone or unreachable: every worker here was stopped. "
+              "Restart the job (a Checkpointer's newest checkpoint is where it resumes).",
+              file=sys.stderr)
+        return 1
     except _Interrupted as stop:
         job.stop_all()
         print(f"lockstep run: stopped by {signal.Signals(stop.signum).name}; every worker was "
@@ -117,16 +140,26 @@ class _Job:
 
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
-        port = find_free_port()
-        self.store = job_store(dist.TCPStore("127.0.0.1", port, is_master=True,
-                                             wait_for_workers=False, timeout=timedelta(seconds=60)))
-        world = plan.nproc_per_node
+        nnodes, node = plan.max_nodes, plan.node_rank
+        if nnodes == 1:
+            host, port = "127.0.0.1", find_free_port()
+            master = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        else:  # machine 0 hosts the job's store at the endpoint; the others connect to it
+            host, port = parse_endpoint(plan.rdzv_endpoint)
+            master = dist.TCPStore(host, port, is_master=node == 0, wait_for_workers=False,
+                                   timeout=timedelta(seconds=_STORE_WAIT_S))
+        self.store = job_store(master)
+        self.machines = (Machines(self.store, node, nnodes, plan.node_timeout)
+                         if nnodes > 1 else None)
+        self.first = node * plan.nproc_per_node  # this machine's first rank
+        world = nnodes * plan.nproc_per_node
         self.base = {
             **os.environ, **plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid()),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world), "GROUP_RANK": "0",
-            "ROLE_RANK": "0", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": plan.run_id,
-            SURVIVORS_ENV: "1",
+            "MASTER_ADDR": host, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(plan.nproc_per_node), "ROLE_WORLD_SIZE": str(world),
+            "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
+            "TORCHELASTIC_RUN_ID": plan.run_id, SURVIVORS_ENV: "1",
             # This launcher hosts the store and outlives the workers (no waiting for peers'
             # exit records), and names the dead itself: no progress records, so a failed
             # collective raises at once instead of watching heartbeats for seconds.
@@ -141,6 +174,11 @@ class _Job:
         self.spares_failed = False
         # Spares are forked from a process that imported torch once, at the start.
         self.zygote: Zygote | None = None
+        if self.machines is not None and self.machines.replacement:
+            gone = self.machines.retire_predecessor()
+            print(f"lockstep run: this launcher replaces machine {node} (ranks "
+                  f"{sorted(gone) or 'unknown'} of the one before are counted gone); its "
+                  "workers join the others at a step boundary", file=sys.stderr, flush=True)
         if plan.spares and plan.fork_workers and can_fork(plan.entrypoint, plan.args):
             try:
                 self.zygote = Zygote({**self.base, SPARE_ENV: "1", JOIN_ENV: "1"})
@@ -156,7 +194,7 @@ class _Job:
         if rank is None:
             env[SPARE_ENV] = "1"
         else:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank - self.first), ROLE_RANK=str(rank))
         if replacement or rank is None:
             env[JOIN_ENV] = "1"
         proc: Worker | None
@@ -172,7 +210,7 @@ class _Job:
         self.names[proc.pid] = f"[rank{rank}]: " if rank is not None else "[spare]: "
         shown = self.plan.local_ranks_filter
         for stream, dst, name in ((proc.stdout, sys.stdout, "out"), (proc.stderr, sys.stderr, "err")):
-            visible = shown is None or rank is None or rank in shown
+            visible = shown is None or rank is None or rank - self.first in shown
             self.relay.follow(stream, f"{proc.pid}-{name}",
                               functools.partial(self.names.__getitem__, proc.pid),
                               dst if visible else None)
@@ -189,7 +227,8 @@ class _Job:
         self.restarts += 1
         if self.spares:
             spare = self.spares.pop(0)
-            self.store.set(f"spare/{spare.pid}", str(rank))
+            self.store.set(spare_key(self.plan.node_rank, spare.pid),
+                           f"{rank},{rank - self.first}")
             self.names[spare.pid] = f"[rank{rank}]: "
             self.procs[rank] = spare
             how = f"a warm spare (pid {spare.pid})"
@@ -201,12 +240,33 @@ class _Job:
         self.waiting.add(self.procs[rank].pid)
         return how
 
+    def others_alive(self) -> bool:
+        """Is a worker of this job training, here or on another machine still there?"""
+        here = any(self.training(r, p) for r, p in self.procs.items())
+        return here or (self.machines is not None and self.machines.others_alive())
+
+    def watch_machines(self) -> None:
+        """Beat, and count lost the machines that stopped beating (several machines)."""
+        if self.machines is None:
+            return
+        self.machines.beat({rank: proc.pid for rank, proc in self.procs.items()})
+        for node, ranks in self.machines.check().items():
+            print(f"lockstep run: machine {node} has not been heard from for "
+                  f"{self.plan.node_timeout:g} s: counted lost with its ranks "
+                  f"{sorted(ranks) or '(none known)'}; the others go on. Start its launcher "
+                  f"again (--node-rank {node}) to bring replacements.", file=sys.stderr, flush=True)
+
     def run(self) -> int:
         plan = self.plan
-        self.procs = {rank: self.start(rank, False) for rank in range(plan.nproc_per_node)}
+        joining = self.machines is not None and self.machines.replacement
+        ranks = range(self.first, self.first + plan.nproc_per_node)
+        self.procs = {rank: self.start(rank, joining) for rank in ranks}
+        if joining:
+            self.waiting.update(p.pid for p in self.procs.values())
         self.spares = [self.start(None, True, forked=True) for _ in range(plan.spares)]
         finished: set[int] = set()
         while self.procs:
+            self.watch_machines()
             for spare in list(self.spares):
                 ended = spare.poll()
                 if ended is None:
@@ -225,10 +285,10 @@ class _Job:
                 if code == 0:
                     finished.add(rank)
                     continue
-                self.store.set(f"dead/{proc.pid}", str(code))
+                self.store.set(dead_key(rank, proc.pid), str(code))
                 print(f"lockstep run: rank {rank} (pid {proc.pid}) {_describe(code)}",
                       file=sys.stderr, flush=True)
-                alive = any(self.training(r, p) for r, p in self.procs.items())
+                alive = self.others_alive()
                 if self.restarts < plan.max_restarts and alive and not finished:
                     how = self.replace(rank)
                     print(f"lockstep run: the other ranks go on; {how} takes rank {rank} "
@@ -244,6 +304,13 @@ class _Job:
                 self.stop_all()
                 return _exit_code(code)
             time.sleep(plan.monitor_interval)
+        if self.machines is not None:
+            self.machines.finished()
+            if plan.node_rank == 0:  # the store lives as long as this launcher: wait for all
+                late = self.machines.wait_for_others(limit=60.0)
+                if late:
+                    print(f"lockstep run: machines {late} still run 60 s after this one's "
+                          "workers ended; closing the job's store", file=sys.stderr, flush=True)
         self.store.set("done", "1")  # spares still waiting exit on their own
         _stop({i: p for i, p in enumerate(self.spares)}, grace=_STOP_GRACE_S)
         return 0

@@ -10,8 +10,14 @@ Keys (under :data:`PREFIX` of the launcher's store, see :func:`job_store`):
 - ``g<N>/alive/<slot>``: a member's answer to the roll call after generation N failed:
   ``"<pid>,<step>,<kind>"`` (``kind``: ``comm`` for a failed collective, ``local`` for any
   other error);
-- ``dead/<pid>``: written by the launcher when a worker process dies, so that survivors need
-  not wait out a timeout to know who is gone;
+- ``dead/<slot>/<pid>`` (:func:`dead_key`): written by a launcher when a worker process dies,
+  or when the machine it ran on is lost, so that survivors need not wait out a timeout to know
+  who is gone (the slot makes it unique across machines, whose pids may repeat);
+- ``spare/<node>/<pid>`` (:func:`spare_key`): the slot a warm spare of machine ``node`` is to
+  take, ``"<slot>,<local rank>"``;
+- ``loss/<n>``: the machine of the n-th loss a launcher counted (``losses``: how many so far),
+  so that survivors blocked on a machine that vanished without closing its connections stop
+  waiting (see :mod:`lockstep.resilience.losses`);
 - ``join/<slot>``: a replacement's pid, asking for the slot;
 - ``g<N>/next``: the proposal that ends generation N (the first written wins:
   ``compare_set``), a :class:`Proposal`;
@@ -28,7 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PREFIX", "Member", "Proposal", "job_store", "propose", "wait_until"]
+__all__ = ["PREFIX", "Member", "Proposal", "dead_key", "job_store", "propose", "spare_key",
+           "wait_until"]
 
 PREFIX = "lockstep/survivors"
 
@@ -38,6 +45,16 @@ def job_store(store: Any) -> Any:
     import torch.distributed as dist
 
     return dist.PrefixStore(PREFIX, store)
+
+
+def dead_key(slot: int, pid: int) -> str:
+    """The key a launcher sets when process ``pid`` holding ``slot`` is gone."""
+    return f"dead/{slot}/{pid}"
+
+
+def spare_key(node: int, pid: int) -> str:
+    """The key that names the slot a warm spare (process ``pid`` of machine ``node``) takes."""
+    return f"spare/{node}/{pid}"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Survivors that keep training: a failed rank leaves the world, a replacement joins later.
 
-Under ``lockstep run --survivors`` (one machine), a worker that dies does not stop the others:
+Under ``lockstep run --survivors`` (one machine or several), a worker that dies does not stop the others:
 the launcher gives its slot to a replacement and marks the dead process in the store. The
 survivors' next collective fails at once (the peer's sockets close); :meth:`Survivors.step`
 catches that, holds a roll call through the store, and the members still alive form the next
@@ -28,6 +28,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -37,7 +38,16 @@ import torch.distributed as dist
 
 from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, resolve_device
 from lockstep.env import default_backend
-from lockstep.resilience.roster import Member, Proposal, job_store, propose, wait_until
+from lockstep.resilience.losses import LossWatch
+from lockstep.resilience.roster import (
+    Member,
+    Proposal,
+    dead_key,
+    job_store,
+    propose,
+    spare_key,
+    wait_until,
+)
 from lockstep.resilience.sockets import GroupSockets
 from lockstep.resilience.transfer import broadcast_state
 
@@ -118,6 +128,8 @@ class Survivors:
         self._extra: dict[str, Any] = {}
         self._position = {"epoch": 0, "consumed": 0}  # batches(): where the data stands
         self._next_consumed: int | None = None
+        self._lock = threading.Lock()  # held while the members change (see _watch)
+        self._watch: LossWatch | None = None
         self.active = os.environ.get(SURVIVORS_ENV) == "1"
         info = init_distributed(backend=backend, timeout=timeout) if not self.active else None
         if info is not None:
@@ -127,11 +139,12 @@ class Survivors:
             self.history.append((0, tuple(range(self.slots))))
             return
         self.pid = os.getpid()
-        master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                               is_master=False, timeout=timedelta(seconds=join_timeout))
-        self._store = job_store(master)
+        self._store = self._connect()
         if os.environ.get(SPARE_ENV) == "1":
             self._wait_for_a_rank()
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # machines can vanish silently
+            self._watch = LossWatch(self._connect, self._member_lost, self._sockets.shutdown,
+                                    self._lock)
         self.slot, self.slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = resolve_device(os.environ.get("LOCKSTEP_DEVICE"),
                                      int(os.environ.get("LOCAL_RANK", "0")))
@@ -149,22 +162,34 @@ class Survivors:
                               for s in range(self.slots))
         self.history.append((0, tuple(range(self.slots))))
 
+    def _connect(self) -> Any:
+        """A new client of the launcher's store, inside the survivors' keys."""
+        master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=timedelta(seconds=self.join_timeout))
+        return job_store(master)
+
+    def _member_lost(self, store: Any) -> bool:
+        """Has a launcher marked a member of the current world (not this one) dead?"""
+        return any(store.check([dead_key(m.slot, m.pid)]) for m in self._members
+                   if m.pid != self.pid or m.slot != self.slot)
+
     def _wait_for_a_rank(self) -> None:
         """A warm spare: finish the imports a worker needs, then wait for the launcher to name
         the rank this process replaces (``RANK``/``LOCAL_RANK`` are set then), or for the end."""
         import lockstep.ddp.wrapper  # noqa: F401 - DDP's imports (torch._dynamo...) done now
 
-        key = f"spare/{self.pid}"
+        key = spare_key(int(os.environ.get("GROUP_RANK", "0")), self.pid)
 
         def named() -> str | None:
             if self._store.check([key]):
                 return self._store.get(key).decode()
             return "done" if self._store.check(["done"]) else None
 
-        rank = wait_until(named, float("inf"), "a rank to replace", poll=0.02)
-        if rank == "done":
+        named_as = wait_until(named, float("inf"), "a rank to replace", poll=0.02)
+        if named_as == "done":
             raise SystemExit(0)  # the job finished without needing this spare
-        os.environ["RANK"] = os.environ["LOCAL_RANK"] = rank
+        rank, local_rank = named_as.split(",")
+        os.environ.update(RANK=rank, LOCAL_RANK=local_rank, ROLE_RANK=rank)
 
     # ---- what the loop sees -------------------------------------------------------------
     @property
@@ -215,6 +240,8 @@ class Survivors:
 
     def finish(self) -> None:
         """Say the job is done (a replacement still waiting to join then exits) and leave."""
+        if self._watch is not None:
+            self._watch.stop()
         if self.active:
             self._store.set("done", "1")
         if dist.is_initialized():
@@ -296,7 +323,8 @@ class Survivors:
         self._leave_group()
         # The generation is this one from now on, even if making its group fails (a member
         # lost meanwhile): the next roll call is then this generation's.
-        self.generation, self._members = proposal.generation, proposal.members
+        with self._lock:  # the loss watch never judges a world half changed
+            self.generation, self._members = proposal.generation, proposal.members
         self._init_group(f"g{proposal.generation}/pg/", proposal.rank_of(self.slot),
                          len(proposal.members))
         if self._model is not None and hasattr(self._model, "use_process_group"):
@@ -351,7 +379,7 @@ class Survivors:
             if store.check([key]):
                 pid, step = store.get(key).decode().split(",")
                 found.append(Member(m.slot, int(pid), int(step)) if int(pid) == m.pid else None)
-            elif final or store.check([f"dead/{m.pid}"]):
+            elif final or store.check([dead_key(m.slot, m.pid)]):
                 found.append(None)  # marked dead by the launcher, or never answered
             else:
                 return None
@@ -365,7 +393,7 @@ class Survivors:
             if slot in taken or not self._store.check([f"join/{slot}"]):
                 continue
             pid = int(self._store.get(f"join/{slot}"))
-            if not self._store.check([f"dead/{pid}"]):
+            if not self._store.check([dead_key(slot, pid)]):
                 joining.append(Member(slot, pid, -1))
         return joining
 
@@ -390,7 +418,8 @@ class Survivors:
         def decided() -> str | None:
             if store.check([key]):
                 return store.get(key).decode()
-            gone = store.check([f"g{generation}/failed"]) or store.check([f"dead/{first.pid}"])
+            gone = (store.check([f"g{generation}/failed"])
+                    or store.check([dead_key(first.slot, first.pid)]))
             return "failed" if gone else None
 
         # As long as a collective may wait: the first member may be in a long step.

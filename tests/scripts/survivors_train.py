@@ -7,7 +7,11 @@ process at a step, and records what the test compares:
   (asynchronous unless ``--blocking``); at the end the newest checkpoint is restored into a new
   model, and ``--out`` holds its step and parameters too;
 - ``--log-dir``: one line per completed step and process, ``step epoch slot index...`` (the
-  samples it trained on), so the test can replay the same steps and check the sample stream.
+  samples it trained on), so the test can replay the same steps and check the sample stream;
+- ``--lose-machine NODE:STEP``: at that step the first worker of machine NODE (its first
+  launcher's) takes its whole machine down: SIGKILL to its process group (the test starts each
+  machine's launcher in a session of its own), or SIGSTOP with ``--silent`` (a machine that
+  vanishes without closing its connections).
 
     lockstep run --survivors --max-restarts 1 --nproc-per-node 3 survivors_train.py \
         --steps 24 --kill 1:6 --out out.pt --log-dir logs
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -73,8 +78,14 @@ def main() -> None:
     parser.add_argument("--ckpt", help="a Checkpointer's directory: save inside the step")
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--blocking", action="store_true", help="blocking saves")
+    parser.add_argument("--lose-machine", metavar="NODE:STEP", help="take a machine down")
+    parser.add_argument("--silent", action="store_true", help="SIGSTOP the machine, not SIGKILL")
     args = parser.parse_args()
     kills = {tuple(int(v) for v in pair.split(":")) for pair in args.kill}
+    if args.lose_machine:
+        node, step = (int(v) for v in args.lose_machine.split(":"))
+        if int(os.environ.get("GROUP_RANK", "0")) == node and os.environ.get("LOCAL_RANK") == "0":
+            kills.add(("machine", step))
     team = lockstep.Survivors(admit_every=2)
     net, model, optimizer = build()
     team.track(model, optimizer)
@@ -90,6 +101,8 @@ def main() -> None:
         with team.step():
             if (slot, team.completed) in kills and not replacement:
                 os.kill(os.getpid(), 9)
+            if ("machine", team.completed) in kills and not replacement:
+                os.killpg(os.getpgid(0), signal.SIGSTOP if args.silent else signal.SIGKILL)
             train_on(model, optimizer, x)
             if ckpt is not None and (team.completed + 1) % args.save_every == 0:
                 ckpt.save(team.completed + 1, model=model, optimizer=optimizer)
