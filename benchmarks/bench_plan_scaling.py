@@ -117,7 +117,10 @@ MODELS = {"resnet50": lambda: resnet_params((3, 4, 6, 3)),
                                                        width_per_group=4, se=16),
           "bert_base": bert_params,
           "resnet152": lambda: resnet_params((3, 8, 36, 3)),
-          "inception_v3": inception_v3_params}
+          "inception_v3": inception_v3_params,
+          "resnet101": lambda: resnet_params((3, 4, 23, 3)),
+          "resnext50_32x4d": lambda: resnet_params((3, 4, 6, 3), groups=32, width_per_group=4),
+          "resnext101_32x8d": lambda: resnet_params((3, 4, 23, 3), groups=32, width_per_group=8)}
 
 
 def _count(*modules: nn.Module) -> int:
@@ -134,6 +137,9 @@ INPUT_LAYERS = {"resnet50": lambda: _count(nn.Conv2d(3, 64, 7, 2, 3, bias=False)
                 "resnext101_32x4d": lambda: INPUT_LAYERS["resnet50"](),
                 "se_resnext101_32x4d": lambda: INPUT_LAYERS["resnet50"](),
                 "resnet152": lambda: INPUT_LAYERS["resnet50"](),
+                "resnet101": lambda: INPUT_LAYERS["resnet50"](),
+                "resnext50_32x4d": lambda: INPUT_LAYERS["resnet50"](),
+                "resnext101_32x8d": lambda: INPUT_LAYERS["resnet50"](),
                 "bert_base": lambda: _count(nn.Embedding(30522, 768), nn.Embedding(512, 768),
                                             nn.Embedding(2, 768), nn.LayerNorm(768)),
                 "inception_v3": lambda: _count(*_conv_bn(3, 32, 3, 2))}

@@ -112,7 +112,7 @@ def _ranged_assumptions(workload: Workload, options: PlanOptions) -> list[str]:
               f"{cv:.1%} (from the profile's ranks)" if cv is not None else
               f"{options.default_cv[0]:.1%}-{options.default_cv[2]:.1%}, expected "
               f"{options.default_cv[1]:.1%} (the profile has one rank: a default calibrated on "
-              "38 published single-node runs, docs/plan.md; measure yours at world >= 2)")
+              "124 published runs, docs/plan.md; measure yours at world >= 2)")
     return [
         ("intervals: preset links at their transport's achievable bandwidth (TCP sockets, RDMA, "
          "NVLink, PCIe; ranges cited in docs/plan.md) plus a per-message cost; the point is the "
