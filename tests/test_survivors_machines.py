@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from test_survivors import SCRIPT, _read_logs, _replay
 import lockstep
 from lockstep.launcher.machines import Machines
 from lockstep.launcher.spawn import find_free_port
+from lockstep.resilience.losses import LossWatch
 from lockstep.resilience.roster import dead_key
 
 STEPS = 40
@@ -68,6 +70,32 @@ def test_a_silent_machine_is_counted_lost_after_the_timeout_and_a_replacement_re
     assert first.check() == {}  # finished: not lost when it stops beating
     with pytest.raises(ValueError, match="--node-timeout"):
         Machines(store, 0, 2, timeout=0)
+
+
+def test_the_loss_watch_acts_on_announced_losses_that_touch_this_world() -> None:
+    store, asked, acted = _Store(), [], []
+    dead = {"now": False}
+
+    def affected(_store) -> bool:
+        asked.append(dead["now"])
+        return dead["now"]
+
+    store.add("losses", 1)  # a loss before the watch started: not this world's business
+    store.set("loss/1", "1")
+    watch = LossWatch(lambda: store, affected, lambda: acted.append(1), threading.Lock(),
+                      poll=0.01)
+    try:
+        store.set("loss/2", "2")  # a machine whose ranks are not in this world
+        _wait(lambda: len(asked) == 1, 5, "the watch to look at loss 2")
+        dead["now"] = True
+        store.set("loss/3", "1")  # one of this world's members
+        _wait(lambda: len(acted) == 1, 5, "the watch to act on loss 3")
+        assert asked == [False, True] and watch.acted == 1
+    finally:
+        watch.stop()
+    store.set("loss/4", "1")
+    time.sleep(0.1)
+    assert len(asked) == 2  # stopped: no more looks
 
 
 def _launcher(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess.Popen:

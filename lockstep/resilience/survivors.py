@@ -24,6 +24,7 @@ what is left of the epoch over the new world, so every sample is still read once
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -145,6 +146,9 @@ class Survivors:
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # machines can vanish silently
             self._watch = LossWatch(self._connect, self._member_lost, self._sockets.shutdown,
                                     self._lock)
+            # Ended before the interpreter finalizes, even without finish(): a daemon thread
+            # inside a store call then could take the process down at exit.
+            atexit.register(self._watch.stop)
         self.slot, self.slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = resolve_device(os.environ.get("LOCKSTEP_DEVICE"),
                                      int(os.environ.get("LOCAL_RANK", "0")))
@@ -242,6 +246,7 @@ class Survivors:
         """Say the job is done (a replacement still waiting to join then exits) and leave."""
         if self._watch is not None:
             self._watch.stop()
+            atexit.unregister(self._watch.stop)
         if self.active:
             self._store.set("done", "1")
         if dist.is_initialized():
