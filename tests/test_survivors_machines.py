@@ -127,10 +127,15 @@ def _wait(what, timeout: float, why: str) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("silent", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_a_lost_machine_leaves_the_world_and_its_replacement_joins(tmp_path, silent) -> None:
+@pytest.mark.parametrize("how", ["silent", pytest.param("killed", marks=pytest.mark.slow),
+                                 pytest.param("healed", marks=pytest.mark.slow)])
+def test_a_lost_machine_leaves_the_world_and_its_replacement_joins(tmp_path, how) -> None:
     """Machine 1 goes down at step 6: frozen with its sockets open (SIGSTOP: noticed only by
-    the launchers' heartbeats; the default tier), or killed (SIGKILL: the slow tier)."""
+    the launchers' heartbeats; the default tier), or killed (SIGKILL: the slow tier); then its
+    launcher is started again. Or (``healed``, slow) the frozen machine comes back on its own
+    (SIGCONT, a partition that heals): its worker learns it was counted gone and stops, and its
+    launcher gives the rank a replacement, which joins."""
+    silent = how != "killed"
     out, logs = tmp_path / "out.pt", tmp_path / "logs"
     logs.mkdir()
     port = find_free_port()
@@ -148,18 +153,26 @@ def test_a_lost_machine_leaves_the_world_and_its_replacement_joins(tmp_path, sil
             # while machine 1 still holds its connections open.
             _wait(lambda: _steps_logged(logs, 0) >= 9, 30, "rank 0 to go on without machine 1")
             assert _stopped(second.pid)
-            os.killpg(second.pid, signal.SIGKILL)  # the frozen machine is taken away
-        second.wait(timeout=30)
-        replacement = _launcher(1, port, tmp_path, args)
+            if how == "healed":
+                os.killpg(second.pid, signal.SIGCONT)  # back, with its old worker and sockets
+            else:
+                os.killpg(second.pid, signal.SIGKILL)  # the frozen machine is taken away
+        if how != "healed":
+            second.wait(timeout=30)
+            replacement = _launcher(1, port, tmp_path, args)
         assert first.wait(timeout=150) == 0
-        assert replacement.wait(timeout=30) == 0
+        assert (replacement or second).wait(timeout=30) == 0
     finally:
         for proc in (first, second, replacement):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     text = "\n".join(p.read_text() for p in sorted(tmp_path.glob("machine*.txt")))
-    assert "this launcher replaces machine 1" in text, text[-3000:]
+    if how == "healed":
+        assert "was counted gone by its peers" in text and "a new process takes rank 1" in text, \
+            text[-3000:]
+    else:
+        assert "this launcher replaces machine 1" in text, text[-3000:]
     result = torch.load(out, weights_only=False)
     history = result["history"]
     assert [slots for _, slots in history] == [(0, 1), (0,), (0, 1)], (history, text[-3000:])

@@ -364,10 +364,13 @@ class Survivors:
                 store.compare_set(f"g{generation}/next", "", proposal.encode())
             winner = Proposal.decode(store.get(f"g{generation}/next").decode())
             if (self.slot, self.pid) not in [(m.slot, m.pid) for m in winner.members]:
+                mark = dead_key(self.slot, self.pid)
+                why = (f"a launcher marked it dead: {store.get(mark).decode()}"
+                       if store.check([mark]) else
+                       f"no answer within detect_timeout={self.detect_timeout:.0f} s")
                 raise RuntimeError(
                     f"lockstep.Survivors: rank {self.slot} was counted gone by its peers "
-                    f"(no answer within detect_timeout={self.detect_timeout:.0f} s); it stops "
-                    "here while they go on") from exc
+                    f"({why}); it stops here while they go on") from exc
             self._announce(winner)
             try:
                 self._enter(winner)
