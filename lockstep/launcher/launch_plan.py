@@ -22,6 +22,7 @@ from lockstep.launcher.rendezvous import (
     C10D_BACKEND,
     LOOPBACK_BACKEND,
     LOOPBACK_HOST,
+    STATIC_BACKEND,
     is_loopback_host,
 )
 from lockstep.launcher.worker_env import loopback_gloo, omp_threads
@@ -324,7 +325,8 @@ def to_launch_config(plan: LaunchPlan, log_dir: str,
         run_id=plan.run_id,
         role="default",  # torchrun's ROLE_NAME
         rdzv_endpoint=plan.rdzv_endpoint,
-        rdzv_backend=plan.rdzv_backend,
+        # static: torch's handler, wrapped so that machine 0 leaves last (static_rendezvous)
+        rdzv_backend=STATIC_BACKEND if plan.rdzv_backend == "static" else plan.rdzv_backend,
         rdzv_configs=configs,
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,

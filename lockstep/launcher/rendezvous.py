@@ -10,6 +10,8 @@ Both backends are torch.distributed.elastic's ``DynamicRendezvousHandler`` over 
   address hosts the store (see :mod:`~lockstep.launcher.stores`).
 - Both talk (:mod:`~lockstep.launcher.rendezvous_report`): a line every few seconds while waiting, a
   timeout that says what was seen, and the machines that joined or left at each round.
+- ``lockstep-static`` is torch's static rendezvous (``--rdzv-backend static``), wrapped so that
+  its host leaves last too (:mod:`~lockstep.launcher.static_rendezvous`).
 - The store's host leaves last: at shutdown every launcher counts itself out and the host
   waits for them (briefly), so that no launcher's last words meet a store that is gone (a C++
   stack trace and "failed to shutdown the rendezvous" after a good job).
@@ -43,6 +45,7 @@ from lockstep._torch_compat import (
     rendezvous_internals,
 )
 from lockstep.launcher.rendezvous_report import Meeting, Member, RoundView, Visitor, say_on_stderr
+from lockstep.launcher.static_rendezvous import STATIC_BACKEND, create_static_handler
 from lockstep.launcher.stores import (
     LOOPBACK_HOST,
     endpoint_store,
@@ -55,6 +58,7 @@ __all__ = [
     "C10D_BACKEND",
     "LOOPBACK_BACKEND",
     "LOOPBACK_HOST",
+    "STATIC_BACKEND",
     "FreshStoreRendezvousHandler",
     "LoopbackRendezvousHandler",
     "endpoint_store",
@@ -328,10 +332,11 @@ def create_c10d_handler(params: RendezvousParameters) -> FreshStoreRendezvousHan
 
 
 def register_backends() -> None:
-    """Make lockstep's two backends known to torch's rendezvous registry.
+    """Make lockstep's three backends known to torch's rendezvous registry.
 
     The registry is torch's extension point for rendezvous backends; registering the same
     creator again is a no-op.
     """
     rendezvous_handler_registry.register(LOOPBACK_BACKEND, create_loopback_handler)
     rendezvous_handler_registry.register(C10D_BACKEND, create_c10d_handler)
+    rendezvous_handler_registry.register(STATIC_BACKEND, create_static_handler)
