@@ -110,6 +110,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionstart(session):
+    """Let matplotlib build its font cache (it runs ``fc-list`` once per machine) before any
+    test: a fast-tier test that draws a picture must not be the one that starts that process."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (builds or loads the cache)
+    except ImportError:
+        pass  # optional: the commands that draw skip the picture
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_in_multirank(request):
     """Fail a test without the ``multirank`` marker that starts a process, so that

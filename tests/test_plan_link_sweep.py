@@ -57,6 +57,11 @@ def test_sweep_takes_the_slowest_rank_and_reports_the_spread():
     assert lo == pytest.approx(BETA / 2) and hi == pytest.approx(BETA)
     # CPU: the ranks' mean (1.5 x cpu): alpha share 1.5/4, bandwidth share 1.5/2.
     assert sweep.link.cpu_share == pytest.approx((1.5 / 4, 1.5 / 2))
+    # Per round: the slow round's wall beta is half, so its CPU is half its bandwidth term.
+    spread = sweep.spread()
+    assert spread["cpu_latency_share"] == pytest.approx((1.5 / 4, 1.5 / 4))
+    assert spread["cpu_bandwidth_share"] == pytest.approx((1.5 / 4, 1.5 / 2))
+    assert "cpu_latency_share" not in LinkSweep(2, sweep.sizes, sweep.seconds).spread()
     text = sweep.describe()
     assert "single rounds" in text and "0.5-1 GB/s" in text and "CPU work" in text
 
@@ -80,22 +85,63 @@ def test_shared_cores_count_only_the_cpu_share_of_a_collective():
         Link("bad", 1e-3, 1e9, cpu_share=(-1.0, 0.5))
 
 
-def test_a_throttles_sleeps_add_to_the_time_shared_step():
-    """Validation's throttled runs on shared cores: the holds take no core, so they add to the
-    time-shared step the exposed time they add where nothing is time-shared."""
-    from lockstep.plan.validate import predict_ddp, predict_throttled_shared, throttled_link
+def test_a_throttles_holds_queue_behind_the_real_all_reduces():
+    """Validation's throttled runs: each bucket's hold starts once its all-reduce is done and
+    the previous hold is over (two queues in a row, not two links in series), and on shared
+    cores the holds add what they add where nothing is time-shared (sleeps take no core)."""
+    from lockstep.plan.validate import (
+        held_extra,
+        predict_ddp,
+        predict_throttled,
+        predict_throttled_shared,
+    )
 
     w = Workload(parameters=1_000_000, grad_dtype="float32", forward=0.010, backward=0.020,
                  optimizer=0.002, data=0.001, batch_size=8, device="cpu",
                  buckets=(Bucket(4e6, 0.010), Bucket(4e6, 0.020)))
     real = Link("loopback", 1e-3, 1e9, cpu_share=(0.5, 0.5))
-    shared = predict_ddp(w, real, 3, cpu_cores=2)
+    # By hand, world 3: a ring all-reduce of 4 MB takes 4 alpha + 4/3 * 4 MB / beta; each copy
+    # (into the bucket, back into the gradients) 2 * 4 MB at the CPU's 5 GB/s; each hold
+    # 4/3 * 4 MB at 50 MB/s.
+    reduce, copy, hold = 4e-3 + 4 / 3 * 4e6 / 1e9, 2 * 4e6 / 5e9, 4 / 3 * 4e6 / 50e6
+    done0 = 0.010 + copy + reduce  # bucket 0's all-reduce; bucket 1's starts after its copy
+    done1 = max(0.020 + copy, done0) + reduce
+    held_end = max(done1, done0 + hold + copy) + hold + copy
+    plain_end = max(0.020 + copy, done0 + copy) + reduce + copy
+    extra = (held_end - 0.020) - (plain_end - 0.020)
+    assert held_extra(w, real, 50e6, 3) == pytest.approx(extra)
+    assert extra > 0.2  # 8 MB through 50 MB/s: the holds dominate
+    # Less than the holds and every real all-reduce in series would add.
+    assert extra < 2 * (hold + reduce + copy)
+    assert held_extra(w, real, 50e6, 1) == 0.0
     plain = predict_ddp(w, real, 3)
-    held = predict_ddp(w, throttled_link(real, 50e6), 3)
+    assert predict_throttled(w, real, 50e6, 3) == pytest.approx(
+        (plain.step_s + extra, plain.exposed_comm_s + extra))
+    shared = predict_ddp(w, real, 3, cpu_cores=2)
     step, exposed = predict_throttled_shared(w, real, 50e6, 3, 2)
-    extra = held.exposed_comm_s - plain.exposed_comm_s
-    assert extra > 0.1  # 8 MB through 50 MB/s: the holds dominate
-    assert step == pytest.approx(shared.step_s + extra)
-    assert exposed == pytest.approx(shared.exposed_comm_s + extra)
-    # More than either bound alone (the old benchmark took the larger of the two).
-    assert step > max(shared.step_s, held.step_s)
+    assert (step, exposed) == pytest.approx((shared.step_s + extra, shared.exposed_comm_s + extra))
+    with pytest.raises(ValueError, match="throttle bandwidth"):
+        held_extra(w, real, 0, 3)
+
+
+def test_copy_rate_is_measured_and_prices_the_bucket_copies():
+    """A plain copy's rate (read and write counted) is the fastest DDP's bucket copies can go:
+    the validation's intervals price them at it on their low end."""
+    from lockstep.plan.measure import measure_copy_rate
+    from lockstep.plan.validate import predict_ddp, predict_throttled
+
+    rate = measure_copy_rate(1 << 20, repeats=3)
+    assert rate > 0
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        measure_copy_rate(0)
+    w = Workload(parameters=1_000_000, grad_dtype="float32", forward=0.010, backward=0.020,
+                 optimizer=0.002, data=0.001, batch_size=8, device="cpu",
+                 buckets=(Bucket(4e6, 0.010), Bucket(4e6, 0.020)))
+    real = Link("loopback", 1e-3, 1e9, cpu_share=(0.5, 0.5))
+    default = predict_ddp(w, real, 3, cpu_cores=2)
+    fast = predict_ddp(w, real, 3, cpu_cores=2, codec_bandwidth=1e12)
+    # Four copies of 4 MB each way (two buckets, in and back) at 5 GB/s: 6.4 ms per rank,
+    # time-shared by 3 ranks on 2 cores.
+    assert default.step_s - fast.step_s == pytest.approx(3 * (4 * 2 * 4e6 / 5e9 - 4 * 2 * 4e6 / 1e12) / 2)
+    held = predict_throttled(w, real, 50e6, 3, cpu_cores=2, codec_bandwidth=1e12)
+    assert held[0] < predict_throttled(w, real, 50e6, 3, cpu_cores=2)[0]

@@ -29,8 +29,8 @@ from typing import Any
 
 from lockstep.plan.links import Link
 
-__all__ = ["DEFAULT_SIZES", "LinkSweep", "fit_alpha_beta", "measure_link", "measure_link_sweep",
-           "sweep_allreduce"]
+__all__ = ["DEFAULT_SIZES", "LinkSweep", "fit_alpha_beta", "measure_copy_rate", "measure_link",
+           "measure_link_sweep", "sweep_allreduce"]
 
 # 4 KB to 32 MB: DDP sends a 1 MB first bucket, then buckets up to 25 MB.
 DEFAULT_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
@@ -108,11 +108,31 @@ class LinkSweep:
                 continue
         return out
 
+    def round_shares(self) -> list[tuple[float, float]]:
+        """The CPU share (of the latency, of the bandwidth term) of each round's own fits of
+        wall and CPU time (rounds too noisy to fit are left out; none without CPU times)."""
+        out: list[tuple[float, float]] = []
+        for wall_times, cpu_times in zip(self.seconds, self.cpu_seconds or (), strict=False):
+            try:
+                wall = fit_alpha_beta(self.sizes, wall_times, self.world)
+                cpu = fit_alpha_beta(self.sizes, cpu_times, self.world)
+            except ValueError:
+                continue
+            out.append((cpu.alpha / wall.alpha if wall.alpha > 0 else 1.0, wall.beta / cpu.beta))
+        return out
+
     def spread(self) -> dict[str, tuple[float, float]]:
-        """Lowest and highest alpha (s) and beta (bytes/s) over the rounds' own fits."""
+        """Lowest and highest alpha (s) and beta (bytes/s) over the rounds' own fits; with CPU
+        times, also of the CPU share of the latency and of the bandwidth term
+        (``"cpu_latency_share"``, ``"cpu_bandwidth_share"``)."""
         fits = self.round_links() or [self.link]
-        return {"alpha": (min(f.alpha for f in fits), max(f.alpha for f in fits)),
-                "beta": (min(f.beta for f in fits), max(f.beta for f in fits))}
+        out = {"alpha": (min(f.alpha for f in fits), max(f.alpha for f in fits)),
+               "beta": (min(f.beta for f in fits), max(f.beta for f in fits))}
+        shares = self.round_shares()
+        if shares:
+            out["cpu_latency_share"] = (min(a for a, _ in shares), max(a for a, _ in shares))
+            out["cpu_bandwidth_share"] = (min(b for _, b in shares), max(b for _, b in shares))
+        return out
 
     def describe(self) -> str:
         link, spread = self.link, self.spread()
@@ -204,3 +224,34 @@ def measure_link(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                  repeats: int = DEFAULT_ROUNDS, timeout: float = 300.0) -> Link:
     """This machine's all-reduce alpha and beta on ``nproc`` local ranks (one thread each)."""
     return measure_link_sweep(nproc, sizes, repeats, timeout).link
+
+
+def measure_copy_rate(nbytes: int = 32 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s that one plain copy of ``nbytes`` moves on ``device``, the read and the write
+    both counted (the unit of :attr:`~lockstep.plan.model.PlanOptions.codec_bandwidth`); the
+    median of ``repeats`` copies after one warm-up.
+
+    DDP's bucket copies cannot be faster than this, so it is the optimistic end of the rate
+    that prices them; on a CPU they are slower in practice (many tensors per bucket, and the
+    core is shared with gloo's own copies and sums), which the default rate stands for.
+    """
+    import torch
+
+    if nbytes < 4 or repeats < 1:
+        raise ValueError(f"need at least 4 bytes and 1 repeat, got {nbytes} bytes, {repeats}")
+    dev = torch.device(device)
+    source = torch.ones(nbytes // 4, device=dev)
+    target = torch.empty_like(source)
+
+    def once() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        target.copy_(source)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    once()
+    seconds = statistics.median(once() for _ in range(repeats))
+    return 2 * source.numel() * 4 / max(seconds, 1e-9)

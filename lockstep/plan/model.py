@@ -32,7 +32,8 @@ from lockstep.plan.strategies import Strategy
 from lockstep.plan.transports import BOUNDS, Transport, achievable
 from lockstep.plan.workload import DTYPE_BYTES, Workload
 
-__all__ = ["PlanOptions", "Prediction", "buffer_broadcast", "predict", "simulate_buckets"]
+__all__ = ["PlanOptions", "Prediction", "buffer_broadcast", "codec_bandwidth", "collective", "predict",
+           "simulate_buckets"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ def simulate_buckets(ready: list[float], cost: list[float], encode: list[float] 
     return out
 
 
-def _codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
+def codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
+    """Bytes/s of a bucket's copies (into the flat bucket and back): ``options``' or the device's."""
     if options.codec_bandwidth is not None:
         return options.codec_bandwidth
     return 2e12 if workload.device == "cuda" else 5e9
@@ -177,7 +179,7 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
         else:
             c = collective(ALL_REDUCE, sent, world, topo, pm)
         costs.append(c)
-        encode.append((b.nbytes + sent) / _codec_bandwidth(workload, options))
+        encode.append((b.nbytes + sent) / codec_bandwidth(workload, options))
     schedule = simulate_buckets([b.ready for b in buckets], [c.seconds for c in costs],
                                 encode, encode)
     done = schedule[-1][1] if schedule else 0.0

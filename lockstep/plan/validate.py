@@ -5,8 +5,11 @@ be module-level functions (workers are new processes): ``build() -> nn.Module``,
 ``make_batch() -> (inputs, targets)``, ``loss_fn(output, targets) -> loss``.
 
 A *throttled* run registers :func:`throttle_hook`, which holds each bucket's all-reduce result
-for ``2(n-1)/n * bytes / bandwidth`` seconds on the communication thread: a link of that bus
-bandwidth in series with the real one, as a slow network would be.
+for ``2(n-1)/n * bytes / bandwidth`` seconds on the communication thread, one hold at a time:
+a slow link of that bus bandwidth behind the real one. The holds form a second queue (a
+bucket's hold starts once its all-reduce is done and the previous hold is over), so the real
+all-reduces of later buckets run during earlier holds; :func:`predict_throttled` prices that
+pipeline (:func:`held_extra`).
 """
 
 from __future__ import annotations
@@ -19,15 +22,22 @@ from typing import Any
 
 import torch
 
+from lockstep.plan.costs import ALL_REDUCE
 from lockstep.plan.links import Link, Topology
-from lockstep.plan.model import PlanOptions, Prediction, predict
+from lockstep.plan.model import (
+    PlanOptions,
+    Prediction,
+    collective,
+    predict,
+    simulate_buckets,
+)
+from lockstep.plan.model import codec_bandwidth as copy_rate
 from lockstep.plan.strategies import parse_strategy
 from lockstep.plan.workload import Workload, load_profile
 
 __all__ = [
-    "SWEEP_ROUNDS", "Throttle", "cpu_cores", "measure_ddp", "predict_ddp",
-    "predict_throttled_shared", "profile_world1",
-    "throttle_hook", "throttled_link",
+    "SWEEP_ROUNDS", "Throttle", "cpu_cores", "held_extra", "measure_ddp", "predict_ddp",
+    "predict_throttled", "predict_throttled_shared", "profile_world1", "throttle_hook",
 ]
 
 SWEEP_ROUNDS = 9  # all-reduce sweep rounds a measured run does before its timed steps
@@ -73,11 +83,6 @@ def cpu_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def throttled_link(link: Link, bandwidth: float) -> Link:
-    """The measured link with a throttle of ``bandwidth`` bytes/s in series."""
-    return Link(f"{link.name}+throttle", link.alpha, 1 / (1 / link.beta + 1 / bandwidth))
 
 
 def _profile_worker(rank: int, build: Callable, make_batch: Callable, loss_fn: Callable,
@@ -197,44 +202,86 @@ def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world:
     return out
 
 
+def _workload(profile: dict | str | Workload) -> Workload:
+    if isinstance(profile, Workload):
+        return profile
+    if isinstance(profile, str):
+        return load_profile(profile)
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile, f)
+        return load_profile(path)
+    finally:
+        os.unlink(path)
+
+
 def predict_ddp(profile: dict | str | Workload, link: Link, world: int,
-                cpu_cores: int | None = None) -> Prediction:
+                cpu_cores: int | None = None, codec_bandwidth: float | None = None) -> Prediction:
     """The planner's DDP prediction at ``world`` ranks all on ``link`` (one machine).
 
     ``cpu_cores``: the cores the ranks share (:attr:`PlanOptions.cpu_cores`); None: one each.
+    ``codec_bandwidth``: the rate of the bucket copies (:attr:`PlanOptions.codec_bandwidth`);
+    None: the device's default.
     """
-    if isinstance(profile, Workload):
-        workload = profile
-    elif isinstance(profile, str):
-        workload = load_profile(profile)
-    else:
-        import json
-        import os
-        import tempfile
-
-        fd, path = tempfile.mkstemp(suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(profile, f)
-            workload = load_profile(path)
-        finally:
-            os.unlink(path)
-    result = predict(workload, Topology(link, world), world, parse_strategy("ddp"),
-                     PlanOptions(cpu_cores=cpu_cores))
+    result = predict(_workload(profile), Topology(link, world), world, parse_strategy("ddp"),
+                     PlanOptions(cpu_cores=cpu_cores, codec_bandwidth=codec_bandwidth))
     assert result is not None  # DDP always runs
     return result
 
 
-def predict_throttled_shared(profile: dict | str | Workload, real: Link, throttle: float,
-                             world: int, cpu_cores: int) -> tuple[float, float]:
-    """(step, exposed) seconds of a throttled run whose ranks time-share ``cpu_cores`` cores.
+def held_extra(profile: dict | str | Workload, real: Link, throttle: float, world: int,
+               codec_bandwidth: float | None = None) -> float:
+    """Seconds of exposed communication that :func:`throttle_hook`'s holds add to a DDP step
+    on ``real``.
 
-    The throttle's holds are sleeps: they take no core, so the time-shared step on the real
-    link (:attr:`PlanOptions.cpu_cores`) stands, and what the holds add is the exposed time
-    they add when nothing is time-shared (the plain model with and without the throttle).
+    Without holds, each bucket's copy in, all-reduce and copy back queue on the link, as the
+    planner prices them. With holds, a bucket's hold starts when its all-reduce is done and the
+    previous bucket's hold is over, and its copy back follows the hold: two queues in a row, the
+    real all-reduces of later buckets running during earlier holds (not the two links in
+    series, which would count every bucket's real all-reduce on top of every hold).
     """
-    shared = predict_ddp(profile, real, world, cpu_cores=cpu_cores)
-    plain = predict_ddp(profile, real, world)
-    held = predict_ddp(profile, throttled_link(real, throttle), world)
-    extra = max(0.0, held.exposed_comm_s - plain.exposed_comm_s)
-    return shared.step_s + extra, shared.exposed_comm_s + extra
+    if throttle <= 0:
+        raise ValueError(f"throttle bandwidth must be positive, got {throttle}")
+    workload = _workload(profile)
+    if world <= 1 or not workload.buckets:
+        return 0.0
+    topo = Topology(real, world)
+    ready = [b.ready for b in workload.buckets]
+    cost = [collective(ALL_REDUCE, b.nbytes, world, topo).seconds for b in workload.buckets]
+    rate = copy_rate(workload, PlanOptions(codec_bandwidth=codec_bandwidth))
+    copy = [2 * b.nbytes / rate for b in workload.buckets]
+    holds = [2 * (world - 1) / world * b.nbytes / throttle for b in workload.buckets]
+    plain = simulate_buckets(ready, cost, copy, copy)[-1][1]
+    reduced = [done for _, done in simulate_buckets(ready, cost, copy)]
+    held = simulate_buckets(reduced, holds, None, copy)[-1][1]
+    end = workload.backward
+    return max(0.0, held - end) - max(0.0, plain - end)
+
+
+def predict_throttled(profile: dict | str | Workload, real: Link, throttle: float, world: int,
+                      cpu_cores: int | None = None, codec_bandwidth: float | None = None
+                      ) -> tuple[float, float]:
+    """(step, exposed) seconds of a run throttled by :func:`throttle_hook` at ``throttle``
+    bytes/s: the prediction on the real link plus what the holds add (:func:`held_extra`).
+
+    With ``cpu_cores`` (ranks time-sharing cores) the holds still add the same: they are sleeps
+    and take no core, so the time-shared step on the real link stands.
+    """
+    workload = _workload(profile)
+    base = predict_ddp(workload, real, world, cpu_cores=cpu_cores, codec_bandwidth=codec_bandwidth)
+    extra = held_extra(workload, real, throttle, world, codec_bandwidth)
+    return base.step_s + extra, base.exposed_comm_s + extra
+
+
+def predict_throttled_shared(profile: dict | str | Workload, real: Link, throttle: float,
+                             world: int, cpu_cores: int, codec_bandwidth: float | None = None
+                             ) -> tuple[float, float]:
+    """(step, exposed) seconds of a throttled run whose ranks time-share ``cpu_cores`` cores
+    (:func:`predict_throttled` with ``cpu_cores``)."""
+    return predict_throttled(profile, real, throttle, world, cpu_cores=cpu_cores,
+                             codec_bandwidth=codec_bandwidth)
