@@ -145,3 +145,40 @@ def test_copy_rate_is_measured_and_prices_the_bucket_copies():
     assert default.step_s - fast.step_s == pytest.approx(3 * (4 * 2 * 4e6 / 5e9 - 4 * 2 * 4e6 / 1e12) / 2)
     held = predict_throttled(w, real, 50e6, 3, cpu_cores=2, codec_bandwidth=1e12)
     assert held[0] < predict_throttled(w, real, 50e6, 3, cpu_cores=2)[0]
+
+
+def test_a_measured_copy_rate_is_the_optimistic_end_of_a_cpu_plan():
+    from lockstep.plan.intervals import predict_interval
+    from lockstep.plan.links import Topology
+    from lockstep.plan.model import PlanOptions, predict
+    from lockstep.plan.planner import plan
+    from lockstep.plan.strategies import parse_strategy
+
+    w = Workload(parameters=1_000_000, grad_dtype="float32", forward=0.010, backward=0.020,
+                 optimizer=0.002, data=0.001, batch_size=8, device="cpu",
+                 buckets=(Bucket(4e6, 0.010), Bucket(4e6, 0.020)))
+    topo = Topology(Link("loopback", 1e-3, 1e9, cpu_share=(0.5, 0.5)), 3)
+    ddp = parse_strategy("ddp")
+    plain = predict_interval(w, topo, 3, ddp, PlanOptions(cpu_cores=2))
+    measured = predict_interval(w, topo, 3, ddp, PlanOptions(cpu_cores=2, copy_rate=1e12))
+    assert plain is not None and measured is not None
+    # Only the optimistic end moves: four 8 MB copies per rank at 1 TB/s instead of 5 GB/s,
+    # three ranks time-sharing two cores.
+    assert plain.step_low_s - measured.step_low_s == pytest.approx(
+        3 * 4 * 8e6 * (1 / 5e9 - 1 / 1e12) / 2)
+    assert measured.step_high_s == plain.step_high_s
+    assert measured.expected.step_s == plain.expected.step_s
+    # A GPU profile keeps its own rate; a rate must be positive.
+    gpu = replace_device(w, "cuda")
+    same = [predict(gpu, topo, 3, ddp, PlanOptions(bound="optimistic", copy_rate=r)) for r in (None, 1e3)]
+    assert same[0].step_s == same[1].step_s
+    with pytest.raises(ValueError, match="copy_rate must be > 0"):
+        PlanOptions(copy_rate=0)
+    text = " ".join(plan(w, topo, [3], "ddp", PlanOptions(cpu_cores=2, copy_rate=3.2e10)).assumptions)
+    assert "bucket copies priced at 5 GB/s" in text and "32.0 GB/s" in text
+
+
+def replace_device(workload: Workload, device: str) -> Workload:
+    from dataclasses import replace
+
+    return replace(workload, device=device)

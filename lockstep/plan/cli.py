@@ -114,7 +114,7 @@ def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from lockstep.plan.measure import measure_link_sweep
+    from lockstep.plan.measure import measure_copy_rate, measure_link_sweep
     from lockstep.plan.model import PlanOptions
     from lockstep.plan.planner import plan
 
@@ -123,17 +123,22 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.batch_size and args.profile:
             workload = workload.with_batch(args.batch_size)
         measured = None
+        copy_rate = None
         if args.measure_link:
             print(f"measuring all-reduce on {args.nproc} local ranks...", file=sys.stderr)
             sweep = measure_link_sweep(args.nproc)
             measured = sweep.link
             print(f"measured {sweep.describe()}", file=sys.stderr)
+        if args.measure_link and workload.device == "cpu":
+            copy_rate = measure_copy_rate()
+            print(f"measured a plain copy of 32 MiB here at {copy_rate / 1e9:.1f} GB/s (read + "
+                  "write): the optimistic end of the bucket copies' rate", file=sys.stderr)
         topology = _topology(args, workload, measured).scaled(args.link_efficiency)
         options = PlanOptions(
             optimizer=args.optimizer,
             mixed_precision=None if args.precision == "auto" else args.precision == "mixed",
             gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None,
-            cpu_cores=args.cpu_cores)
+            cpu_cores=args.cpu_cores, copy_rate=copy_rate)
         ranged = not args.no_intervals and args.link_efficiency == 1.0
         result = plan(workload, topology, args.gpus, args.strategies, options, intervals=ranged)
     except (ValueError, OSError) as err:

@@ -67,6 +67,12 @@ class PlanOptions:
         default_cv: the (low, expected, high) spread used when neither ``step_cv`` nor the
             workload carries one (default :data:`~lockstep.plan.stragglers.DEFAULT_CV`);
             benchmarks/bench_plan_scaling.py rebuilds it from published rows.
+        copy_rate: bytes/s of a plain copy on the ranks' device, read and write counted
+            (:func:`~lockstep.plan.measure.measure_copy_rate`; ``lockstep plan --measure-link``
+            measures it for a CPU profile). DDP's bucket copies go no faster, so for a CPU
+            profile at ``bound="optimistic"`` they are priced at it instead of the default 5
+            GB/s (which stands for all of a bucket's per-byte CPU work: docs/plan.md).
+            ``None``: not measured.
     """
 
     optimizer: str = "adam"
@@ -78,6 +84,7 @@ class PlanOptions:
     step_cv: float | None = None
     transports: Mapping[str, Transport] | None = None
     default_cv: tuple[float, float, float] = DEFAULT_CV
+    copy_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.bound is not None and self.bound not in BOUNDS:
@@ -88,6 +95,10 @@ class PlanOptions:
         if not 0 <= lo <= mid <= hi:
             raise ValueError(f"default_cv must be 0 <= low <= expected <= high, got "
                              f"{self.default_cv}")
+        for name in ("codec_bandwidth", "copy_rate"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 bytes/s, got {value}")
         if self.cpu_cores is not None and self.cpu_cores < 1:
             raise ValueError(f"cpu_cores must be >= 1 (the cores of one node), got {self.cpu_cores}")
 
@@ -148,9 +159,12 @@ def simulate_buckets(ready: list[float], cost: list[float], encode: list[float] 
 
 
 def codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
-    """Bytes/s of a bucket's copies (into the flat bucket and back): ``options``' or the device's."""
+    """Bytes/s of a bucket's copies (into the flat bucket and back): ``options``' own rate, the
+    measured ``copy_rate`` at the optimistic bound, or the device's default."""
     if options.codec_bandwidth is not None:
         return options.codec_bandwidth
+    if options.bound == "optimistic" and options.copy_rate is not None and workload.device == "cpu":
+        return options.copy_rate
     return 2e12 if workload.device == "cuda" else 5e9
 
 

@@ -169,6 +169,11 @@ def _assumptions(workload: Workload, topology: Topology, options: PlanOptions) -
         out.append(f"CPU ranks time-share {options.cpu_cores} cores per node with their "
                    "communication: the step is at least ranks x (compute + the collectives' CPU "
                    f"work + bucket copies) / cores; a collective's CPU work: {work}")
+    if workload.device == "cpu" and options.codec_bandwidth is None:
+        rate = (f"; at the optimistic end at the measured plain copy, "
+                f"{options.copy_rate / 1e9:.1f} GB/s" if options.copy_rate is not None else "")
+        out.append(f"bucket copies priced at 5 GB/s (all of a bucket's per-byte CPU work, not "
+                   f"memory's speed){rate}")
     if workload.source == "described" or any(n.startswith("synthetic") for n in workload.notes):
         out.append("bucket ready times assumed uniform in bytes over backward (no profile)")
     return out + list(workload.notes)
