@@ -175,6 +175,40 @@ def test_when_busy_skip_is_decided_by_all_ranks(tmp_path):
     assert not (tmp_path / "step_000000000002").exists()
 
 
+def _failed_write_then_skip(rank: int, directory: str) -> None:
+    lockstep.init_distributed()
+    if rank == 0:  # rank 0 is still writing step 1 when step 2 is asked for: every rank skips
+        ckpt_io._write_fully = _slow_write(ckpt_io._write_fully, 1.0)  # type: ignore[assignment]
+    else:  # rank 1's write of step 1 fails (and is over) before step 2 is asked for
+
+        def full(fd: int, data: bytes) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        ckpt_io._write_fully = full  # type: ignore[assignment]
+    ckpt = Checkpointer(directory, when_busy="skip")
+    ckpt.save(1, model=_model())
+    if rank == 1:
+        time.sleep(0.5)
+    skipped = ckpt.save(2, model=_model())  # no error yet: nobody settles a skipped save
+    try:
+        ckpt.wait()
+    except CheckpointError as exc:
+        Path(directory, f"error{rank}").write_text(str(exc))
+    Path(directory, f"skipped{rank}").write_text(str(skipped.exists()))
+
+
+@pytest.mark.multirank
+def test_a_failure_seen_before_a_skipped_save_is_reported_on_every_rank(tmp_path):
+    """Rank 1's write failed while rank 0's was still running: the save after it is skipped on
+    both, and the failure is raised at the next settling (here ``wait()``) on both ranks."""
+    lockstep.spawn(_failed_write_then_skip, 2, (str(tmp_path),), timeout=120)
+    for rank in range(2):
+        error = (tmp_path / f"error{rank}").read_text()
+        assert "step_000000000001 failed on rank 1" in error and "No space left" in error, error
+        assert (tmp_path / f"skipped{rank}").read_text() == "False"
+    assert not (tmp_path / "step_000000000001").exists()
+
+
 def test_another_checkpointer_on_the_directory_waits_for_the_write(tmp_path, monkeypatch):
     model = _model()
     monkeypatch.setattr(ckpt_io, "_write_fully", _slow_write(ckpt_io._write_fully))

@@ -182,6 +182,9 @@ class Checkpointer:
         self._intact = IntactCheckpoints()
         self._snapshot = Snapshot()  # host buffers of asynchronous saves, reused
         self._pending: BackgroundSave | None = None  # the asynchronous save in flight
+        # A save in flight finished on this rank while another rank's was still being written
+        # (its final directory and error): reported at the next settling.
+        self._finished: tuple[Path | None, str | None] | None = None
         self._memory: MemoryCopies | None = None
         if memory:
             root = Path(memory_dir) if memory_dir is not None else default_memory_root(
@@ -226,25 +229,37 @@ class Checkpointer:
         group after a failure) is finished if its files are all written, else dropped with a
         warning: a dead rank never writes its part, and the previous checkpoint stays newest.
         """
+        final, error = self._finish_pending()
+        self._raise_failures(final, self._gather(error))
+
+    def _finish_pending(self) -> tuple[Path | None, str | None]:
+        """This rank's part of :meth:`_settle`: wait for the save in flight here; its final
+        directory (``None``: none was in flight) and the error seen here."""
+        if self._finished is not None:  # finished before a skipped save: not reported yet
+            done, self._finished = self._finished, None
+            return done
         pending, self._pending = self._pending, None
-        moved = pending is not None and self._saved_in is not self._group()
-        if pending is not None and moved:
+        if pending is None:
+            return None, None
+        moved = self._saved_in is not self._group()
+        if moved:
             pending.hurry(0.0)  # a dead peer's files never come
             self._unreplicated = None  # the ring it was to be copied around is gone too
-        error = pending.join() if pending is not None else None
-        if pending is not None and moved and error is not None:
+        error = pending.join()
+        if moved and error is not None:
             logger.warning("checkpoint %s was dropped: the world changed while it was written "
                            "(%s); the previous checkpoint is the newest", pending.final, error)
             error = None
-        if self._rank_and_world()[1] > 1:
-            errors = self._gather(error)
-        else:
-            errors = [error]
+        return pending.final, error
+
+    @staticmethod
+    def _raise_failures(final: Path | None, errors: list[str | None]) -> None:
+        """Raise the first failure among every rank's ``errors`` (the same on every rank)."""
         # The failing rank's own message (it names the file) over what others saw of it.
         own = [e for r, e in enumerate(errors) if e and e.startswith(f"rank {r}:")]
         failure = next(iter(own), next((e for e in errors if e), None))
-        if failure is not None and pending is not None:
-            raise CheckpointError(f"saving checkpoint {pending.final} failed on {failure}")
+        if failure is not None and final is not None:
+            raise CheckpointError(f"saving checkpoint {final} failed on {failure}")
         if failure is not None:  # another rank had a save in flight that this one did not
             raise CheckpointError(f"an asynchronous checkpoint save failed on {failure}")
 
@@ -357,14 +372,22 @@ class Checkpointer:
             blocking = self.blocking
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
-        self._meet(f"save(step={step})")
+        call = f"save(step={step})"
+        self._meet(call)
         may_skip = not blocking and self.when_busy == "skip"
         busy = may_skip and self._pending is not None and self._pending.running()
-        # One collective agrees on the directory and step and on whether any rank is busy.
-        if self._check_agreement(f"save(step={step})", step, busy) and may_skip:
+        # The save in flight here is finished first (unless it is still being written and this
+        # save may be skipped), so that one collective agrees on the directory and step, on
+        # whether any rank is busy, and on how the previous save went.
+        finished = (None, None) if busy else self._finish_pending()
+        seen = self._gather((str(self.directory), step, busy, finished[1]))
+        check_agreement(call, [(where, at) for where, at, _, _ in seen])
+        if may_skip and any(flag for _, _, flag, _ in seen):
+            if finished[0] is not None:
+                self._finished = finished  # reported by the next save, wait() or restore()
             logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
             return self.directory / dir_name(step)
-        self._settle()
+        self._raise_failures(finished[0], [error for *_, error in seen])
         self._replicate()  # the previous save's files, now written, to the next rank's memory
         wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
         rank, world = self._rank_and_world()
@@ -378,10 +401,16 @@ class Checkpointer:
                 consolidate(to=0)  # sharded optimizers (ZeRO) gather their state on rank 0 first
 
         sharded = sorted(name for name, obj in objects.items() if saves_sharded(obj))
-        # Whether the staging directory is there, and who writes a shard file (replicas
-        # skip), agreed in one collective.
-        writes = writes_shard([objects[name] for name in sharded])
-        writers = shard_writers(self._agree(f"saving checkpoint {final}", error, value=writes))
+        staging_error: str | None = None
+        if sharded or blocking:
+            # Whether the staging directory is there (a blocking save writes into it next),
+            # and who writes a shard file (replicas skip), agreed in one collective.
+            writes = writes_shard([objects[name] for name in sharded])
+            writers = shard_writers(self._agree(f"saving checkpoint {final}", error, value=writes))
+        else:
+            # Nothing sharded, nothing written before the next agreement: rank 0's staging
+            # error travels with the snapshot's (one collective fewer per save).
+            writers, staging_error = [], error
 
         optimizers = stepping_optimizers(objects) if self.defer_copy and not blocking else []
         deferred: list[DeferredCopy] = []
@@ -403,6 +432,7 @@ class Checkpointer:
 
         copy = memory_copy(self._memory, step, rank) if self._memory is not None else None
         files, error = self._attempt(collect)
+        error = staging_error or error
         if blocking and not error:
             error = self._attempt(lambda: write_files(staging, files, copy))[1]
         # A state that cannot be saved is reported now, asynchronous or not.
