@@ -134,3 +134,24 @@ def test_static_plans_launch_on_the_orderly_handler(tmp_path):
     assert isinstance(handler, OrderlyStaticRendezvous)
     assert (handler.rank, handler.world_size, handler.use_agent_store) == (1, 2, True)
     assert handler.get_run_id() == "job"
+
+
+def test_the_workers_meet_where_the_user_said():
+    """torch's agent gives workers ``bootstrap_store_info`` as MASTER_ADDR/MASTER_PORT when the
+    backend is not named ``static`` (torch 2.4 to 2.13): it must be --master-addr/--master-port,
+    and the workers use the launcher's store (``use_agent_store``), as with torch's own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    register_backends()
+    params = RendezvousParameters(STATIC_BACKEND, f"127.0.0.1:{port}", "job", 1, 1, rank=0,
+                                  timeout=30)
+    handler = rendezvous_handler_registry.create_handler(params)
+    info = handler.next_rendezvous()
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+        "127.0.0.1", port)
+    assert (info.rank, info.world_size, handler.use_agent_store) == (0, 1, True)
+    assert handler.shutdown() is True
+    assert info.store.add(DEPARTED_KEY, 0) == 1  # it counted itself out, in the job's store

@@ -11,6 +11,13 @@ a C++ stack trace ("Error waiting on exit barrier") after a job that succeeded. 
 launcher counts itself out in ``shutdown()``, which torch's ``launch_agent`` calls after the
 agent's run, exit barrier included; the host waits, at most :data:`DEPARTURE_WAIT_S`, until
 every machine has counted itself out. A machine that died never does, hence the bound.
+
+Why a new backend name works unchanged from torch 2.4 to 2.13 (read in both versions' sources):
+the agent takes the workers' ``MASTER_ADDR``/``MASTER_PORT`` from the handler's
+``bootstrap_store_info`` whenever the backend is not named ``static`` (torch's launcher
+pre-fills them only for that name), and decides whether workers use the launcher's store from
+the handler's ``use_agent_store``; both are the inner handler's, so the workers meet at
+``--master-addr:--master-port`` on machine 0's store, as under torchrun.
 """
 
 from __future__ import annotations
