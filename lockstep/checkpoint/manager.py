@@ -381,10 +381,16 @@ class Checkpointer:
         # whether any rank is busy, and on how the previous save went.
         finished = (None, None) if busy else self._finish_pending()
         seen = self._gather((str(self.directory), step, busy, finished[1]))
-        check_agreement(call, [(where, at) for where, at, _, _ in seen])
-        if may_skip and any(flag for _, _, flag, _ in seen):
+        skip = may_skip and any(flag for _, _, flag, _ in seen)
+        if finished[0] is not None and skip:
+            self._finished = finished  # reported by the next save, wait() or restore()
+        try:
+            check_agreement(call, [(where, at) for where, at, _, _ in seen])
+        except CheckpointError:
             if finished[0] is not None:
-                self._finished = finished  # reported by the next save, wait() or restore()
+                self._finished = finished  # the previous save's outcome is not lost
+            raise
+        if skip:
             logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
             return self.directory / dir_name(step)
         self._raise_failures(finished[0], [error for *_, error in seen])
