@@ -38,6 +38,7 @@ from lockstep.plan.workload import Workload, load_profile
 __all__ = [
     "SWEEP_ROUNDS", "Throttle", "cpu_cores", "held_extra", "measure_ddp", "predict_ddp",
     "predict_throttled", "predict_throttled_shared", "profile_world1", "throttle_hook",
+    "workload_of",
 ]
 
 SWEEP_ROUNDS = 9  # all-reduce sweep rounds a measured run does before its timed steps
@@ -202,7 +203,8 @@ def measure_ddp(build: Callable, make_batch: Callable, loss_fn: Callable, world:
     return out
 
 
-def _workload(profile: dict | str | Workload) -> Workload:
+def workload_of(profile: dict | str | Workload) -> Workload:
+    """The :class:`Workload` of a profile given as a dict, a file path or already read."""
     if isinstance(profile, Workload):
         return profile
     if isinstance(profile, str):
@@ -228,7 +230,7 @@ def predict_ddp(profile: dict | str | Workload, link: Link, world: int,
     ``codec_bandwidth``: the rate of the bucket copies (:attr:`PlanOptions.codec_bandwidth`);
     None: the device's default.
     """
-    result = predict(_workload(profile), Topology(link, world), world, parse_strategy("ddp"),
+    result = predict(workload_of(profile), Topology(link, world), world, parse_strategy("ddp"),
                      PlanOptions(cpu_cores=cpu_cores, codec_bandwidth=codec_bandwidth))
     assert result is not None  # DDP always runs
     return result
@@ -247,7 +249,7 @@ def held_extra(profile: dict | str | Workload, real: Link, throttle: float, worl
     """
     if throttle <= 0:
         raise ValueError(f"throttle bandwidth must be positive, got {throttle}")
-    workload = _workload(profile)
+    workload = workload_of(profile)
     if world <= 1 or not workload.buckets:
         return 0.0
     topo = Topology(real, world)
@@ -272,7 +274,7 @@ def predict_throttled(profile: dict | str | Workload, real: Link, throttle: floa
     With ``cpu_cores`` (ranks time-sharing cores) the holds still add the same: they are sleeps
     and take no core, so the time-shared step on the real link stands.
     """
-    workload = _workload(profile)
+    workload = workload_of(profile)
     base = predict_ddp(workload, real, world, cpu_cores=cpu_cores, codec_bandwidth=codec_bandwidth)
     extra = held_extra(workload, real, throttle, world, codec_bandwidth)
     return base.step_s + extra, base.exposed_comm_s + extra
