@@ -27,14 +27,15 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lockstep.checkpoint.deferred import DeferredCopy
+from lockstep.checkpoint.liveness import LivenessLocks, is_gone
 from lockstep.checkpoint.writing import write_files
 
-__all__ = ["BackgroundSave", "finish_on_sigterm", "wait_for_writes"]
+__all__ = ["BackgroundSave", "finish_on_sigterm", "hold_liveness", "wait_for_writes"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ _WRITER_NICE = 19
 # After a SIGTERM, rank 0 waits this long at most for the other ranks' files: they are being
 # stopped too and finish their own writes first, but one that died will never write them.
 _PEERS_AFTER_SIGTERM_S = 10.0
+# How often rank 0 asks whether a rank it still waits for has died (``liveness.py``).
+_LIVENESS_POLL_S = 0.05
 
 
 def _marker(prefix: str, rank: int) -> str:
@@ -78,6 +81,8 @@ class BackgroundSave:
         attempt: runs a callable and returns ``(result, error message or None)``.
         copy: receives each encoded file first (``replicas.MemoryCopies.keep``), if given.
         deferred: the snapshot's copies still to do (``Snapshot.take``), if any.
+        alive: each rank's liveness file (:func:`hold_liveness`; ``None``: it has none), by
+            which rank 0 stops waiting for a rank whose process has ended.
     """
 
     def __init__(
@@ -92,10 +97,12 @@ class BackgroundSave:
         attempt: Callable[[Callable[[], Any]], tuple[Any, str | None]],
         copy: Callable[[str, bytes | memoryview], None] | None = None,
         deferred: DeferredCopy | None = None,
+        alive: Sequence[str | None] = (),
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
         self._files, self._publish, self._attempt = files, publish, attempt
         self._copy = copy
+        self._alive = list(alive)
         self._deferred = deferred if deferred is not None else DeferredCopy([], [])
         self.error: str | None = None  # "rank r: message" of the first failure seen here
         self._timeout = timeout
@@ -169,14 +176,24 @@ class BackgroundSave:
 
     def _wait_for_peers(self) -> str | None:
         waiting = set(range(1, self.world))
+        next_look = time.monotonic() + _LIVENESS_POLL_S
         while waiting:
-            for rank in sorted(waiting):
-                failed = self.staging / _marker(_FAILED, rank)
-                if failed.exists():
-                    told = failed.read_text() or "could not write its files"
-                    return f"rank {rank}: {told}"
-                if (self.staging / _marker(_WRITTEN, rank)).exists():
-                    waiting.discard(rank)
+            told = self._look_for_markers(waiting)
+            if told is not None:
+                return told
+            if waiting and time.monotonic() >= next_look:
+                next_look = time.monotonic() + _LIVENESS_POLL_S
+                gone = [r for r in sorted(waiting) if self._gone(r)]
+                # Marked just before its process ended? Look again before calling it gone.
+                told = self._look_for_markers(waiting) if gone else None
+                if told is not None:
+                    return told
+                gone = [r for r in gone if r in waiting]
+                if gone:
+                    return (
+                        f"rank 0: rank(s) {gone} ended before writing their files into "
+                        f"{self.staging} (killed or crashed: see their logs)"
+                    )
             if waiting and time.monotonic() > self._deadline:
                 return (
                     f"rank 0: rank(s) {sorted(waiting)} did not finish writing their files into "
@@ -187,6 +204,22 @@ class BackgroundSave:
                 time.sleep(_POLL_S)
         return None
 
+    def _gone(self, rank: int) -> bool:
+        name = self._alive[rank] if rank < len(self._alive) else None
+        return is_gone(self.final.parent, name, _LIVENESS)
+
+    def _look_for_markers(self, waiting: set[int]) -> str | None:
+        """Drop from ``waiting`` the ranks that marked their files written; the error of one
+        that marked them failed, if any."""
+        for rank in sorted(waiting):
+            failed = self.staging / _marker(_FAILED, rank)
+            if failed.exists():
+                told = failed.read_text() or "could not write its files"
+                return f"rank {rank}: {told}"
+            if (self.staging / _marker(_WRITTEN, rank)).exists():
+                waiting.discard(rank)
+        return None
+
     def _publish_now(self) -> None:
         for rank in range(1, self.world):
             (self.staging / _marker(_WRITTEN, rank)).unlink(missing_ok=True)
@@ -194,6 +227,15 @@ class BackgroundSave:
 
 
 _PENDING: weakref.WeakSet[BackgroundSave] = weakref.WeakSet()
+# This process's liveness locks: POSIX locks belong to the process (see liveness.py).
+_LIVENESS = LivenessLocks()
+
+
+def hold_liveness(directory: Path, rank: int) -> str | None:
+    """Let rank 0 tell, should this process die, that it will never write its part of an
+    asynchronous save into ``directory``; the name to give rank 0 (``BackgroundSave(alive=)``).
+    Rank 0 also clears the files of ended processes, at its first save into ``directory``."""
+    return _LIVENESS.hold(directory, sweep=rank == 0)
 
 
 def wait_for_writes(directory: Path) -> None:
@@ -222,7 +264,10 @@ def finish_on_sigterm() -> None:
     def handler(signum: int, frame: Any) -> None:
         for pending in list(_PENDING):
             pending.hurry(_PEERS_AFTER_SIGTERM_S)
-            pending.join()
+            error = pending.join()
+            if error is not None:  # nothing will raise it now: say it before dying
+                logger.warning("checkpoint %s was not saved (process stopped): %s",
+                               pending.final, error)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -9,6 +9,8 @@ Layout of ``directory``::
         shard-rank00000.pt      each rank's pieces of sharded objects (lockstep.fsdp), if any
     .staging-step_000000001300/ a save in progress (or one cut short: never restored)
     .damaged-step_000000000900/ a checkpoint found damaged when pruning, set aside
+    .lockstep-alive/<host>-<pid> locked by each process while it lives (asynchronous saves,
+                                several ranks): rank 0 stops waiting for a dead rank at once
 
 A save writes every file into the staging directory (temporary file, fsync, rename), then all
 ranks meet, then rank 0 renames the staging directory to its final name, so a checkpoint
@@ -33,7 +35,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lockstep.checkpoint.background import BackgroundSave, finish_on_sigterm, wait_for_writes
+from lockstep.checkpoint.background import (
+    BackgroundSave,
+    finish_on_sigterm,
+    hold_liveness,
+    wait_for_writes,
+)
 from lockstep.checkpoint.deferred import DeferredCopy, stepped_storages, stepping_optimizers
 from lockstep.checkpoint.directory import (
     check_directory,
@@ -441,8 +448,10 @@ class Checkpointer:
         error = staging_error or error
         if blocking and not error:
             error = self._attempt(lambda: write_files(staging, files, copy))[1]
+        # So that rank 0 need not wait long for this rank's files should its process end.
+        alive = None if blocking or world == 1 else hold_liveness(self.directory, rank)
         # A state that cannot be saved is reported now, asynchronous or not.
-        self._agree(f"saving checkpoint {final}", error, drop_staging)
+        alive_names = self._agree(f"saving checkpoint {final}", error, drop_staging, alive)
         self._unreplicated = step if self._memory is not None else None
         if not blocking:
             finish_on_sigterm()
@@ -452,7 +461,7 @@ class Checkpointer:
             self._saved_in = self._group()
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
-                self.timeout.total_seconds(), self._attempt, copy, later,
+                self.timeout.total_seconds(), self._attempt, copy, later, alive_names,
             )
             return final
         files_list = checkpoint_files(world, writers)
