@@ -19,7 +19,8 @@ from lockstep.teardown import quiesce
 
 __all__ = [
     "DeviceUnavailableError", "current_process_info", "global_rank", "global_ranks",
-    "init_distributed", "pick_device", "resolve_device", "resolve_group", "shutdown_distributed",
+    "init_distributed", "leave_safely_at_exit", "pick_device", "resolve_device", "resolve_group",
+    "shutdown_distributed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,7 @@ def init_distributed(
         info = lockstep.init_distributed()
         model = lockstep.DistributedDataParallel(Net().to(info.device))
     """
-    # Whoever created the group, leave it safely at exit (see lockstep.teardown). Registered
-    # on every call, so it runs before atexit handlers registered earlier (they run last first).
-    atexit.unregister(_leave_at_exit)
-    atexit.register(_leave_at_exit)
+    leave_safely_at_exit()
     if dist.is_initialized():
         return current_process_info()
     info = detect_process_info()
@@ -227,6 +225,18 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
     if not quiesce(timeout=2.0):
         logger.debug("gloo worker threads still busy after teardown")
+
+
+def leave_safely_at_exit() -> None:
+    """Have the end of the process destroy the default group and let gloo's threads settle
+    first (:func:`shutdown_distributed`), whoever created the group (see ``lockstep.teardown``).
+
+    Registered again on every call, so it runs before atexit handlers registered earlier (they
+    run last first). :func:`init_distributed` calls it; so does ``lockstep.Survivors``, which
+    makes its groups itself.
+    """
+    atexit.unregister(_leave_at_exit)
+    atexit.register(_leave_at_exit)
 
 
 def _leave_at_exit() -> None:

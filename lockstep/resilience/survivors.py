@@ -37,7 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.distributed import DEFAULT_TIMEOUT, init_distributed, resolve_device
+from lockstep.distributed import (
+    DEFAULT_TIMEOUT,
+    init_distributed,
+    leave_safely_at_exit,
+    resolve_device,
+    shutdown_distributed,
+)
 from lockstep.env import default_backend
 from lockstep.resilience.losses import LossWatch
 from lockstep.resilience.roster import (
@@ -140,6 +146,7 @@ class Survivors:
             self.history.append((0, tuple(range(self.slots))))
             return
         self.pid = os.getpid()
+        leave_safely_at_exit()  # no init_distributed() here: the groups are made below
         self._store = self._connect()
         if os.environ.get(SPARE_ENV) == "1":
             self._wait_for_a_rank()
@@ -249,8 +256,7 @@ class Survivors:
             atexit.unregister(self._watch.stop)
         if self.active:
             self._store.set("done", "1")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()  # destroys the group, then lets gloo's threads settle
 
     def batches(self, loader: Iterable, epochs: int) -> Iterator[Any]:
         """The batches of ``epochs`` passes over ``loader`` (a DataLoader over a
