@@ -342,9 +342,18 @@ class Survivors:
             self._model.use_process_group(None)
         if any(m.step != proposal.step for m in proposal.members):
             state = broadcast_state(self._state(), proposal.rank_of(proposal.source), self.device)
-            self._load(state)
+            # Members at the source's step hold its state already (as when nobody lags, and no
+            # state travels at all): loading it again would only write every parameter in
+            # place, which fails an asynchronous checkpoint still being copied (it cannot tell
+            # the same values from new ones).
+            if self._own_step(proposal) != proposal.step:
+                self._load(state)
         self.completed = proposal.step
         self.history.append((proposal.step, tuple(proposal.slots)))
+
+    def _own_step(self, proposal: Proposal) -> int:
+        """The step this member brought into ``proposal`` (-1: a replacement)."""
+        return next(m.step for m in proposal.members if m.slot == self.slot)
 
     def _recover(self, exc: Exception) -> None:
         """After an error in a step: the roll call, then the next generation (or ``exc``)."""
