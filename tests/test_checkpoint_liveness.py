@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lockstep.checkpoint import liveness
-from lockstep.checkpoint.background import BackgroundSave
+from lockstep.checkpoint.background import BackgroundSave, _in_turn
 from lockstep.checkpoint.liveness import ALIVE_DIR, LivenessLocks, is_gone
 
 # A process that holds its lock in the directory given, forks a child that outlives it (as a
@@ -155,3 +155,13 @@ def test_a_rank_that_marked_its_files_before_dying_is_not_counted_gone(tmp_path,
     _kill(holder)
     assert pending.join() is None
     assert (tmp_path / "step_000000000001" / "state.pt").exists()
+
+
+def test_liveness_is_asked_a_few_ranks_at_a_time_in_turn():
+    ranks = list(range(1, 41))
+    first, last = _in_turn(ranks, -1, 16)
+    second, last = _in_turn(ranks, last, 16)
+    third, last = _in_turn(ranks, last, 16)
+    assert (first, second) == (list(range(1, 17)), list(range(17, 33)))
+    assert third == [*range(33, 41), *range(1, 9)] and last == 8
+    assert _in_turn([5, 9], 8, 16) == ([9, 5], 5)  # fewer than the batch: all, in turn

@@ -51,6 +51,15 @@ _WRITER_NICE = 19
 _PEERS_AFTER_SIGTERM_S = 10.0
 # How often rank 0 asks whether a rank it still waits for has died (``liveness.py``).
 _LIVENESS_POLL_S = 0.05
+_LIVENESS_BATCH = 16  # ranks asked about per look
+
+
+def _in_turn(ranks: list[int], last: int, count: int) -> tuple[list[int], int]:
+    """Up to ``count`` of the sorted ``ranks``, the first after ``last`` first (wrapping);
+    and the last one taken."""
+    after = [r for r in ranks if r > last] + [r for r in ranks if r <= last]
+    taken = after[:count]
+    return taken, (taken[-1] if taken else last)
 
 
 def _marker(prefix: str, rank: int) -> str:
@@ -103,6 +112,7 @@ class BackgroundSave:
         self._files, self._publish, self._attempt = files, publish, attempt
         self._copy = copy
         self._alive = list(alive)
+        self._asked = -1  # the last rank whose liveness rank 0 asked about
         self._deferred = deferred if deferred is not None else DeferredCopy([], [])
         self.error: str | None = None  # "rank r: message" of the first failure seen here
         self._timeout = timeout
@@ -183,7 +193,10 @@ class BackgroundSave:
                 return told
             if waiting and time.monotonic() >= next_look:
                 next_look = time.monotonic() + _LIVENESS_POLL_S
-                gone = [r for r in sorted(waiting) if self._gone(r)]
+                # A few ranks per look (each is a lock request, to a server where the
+                # directory is shared), in turn: after a SIGTERM few are still awaited.
+                asked, self._asked = _in_turn(sorted(waiting), self._asked, _LIVENESS_BATCH)
+                gone = [r for r in asked if self._gone(r)]
                 # Marked just before its process ended? Look again before calling it gone.
                 told = self._look_for_markers(waiting) if gone else None
                 if told is not None:
@@ -210,13 +223,18 @@ class BackgroundSave:
 
     def _look_for_markers(self, waiting: set[int]) -> str | None:
         """Drop from ``waiting`` the ranks that marked their files written; the error of one
-        that marked them failed, if any."""
+        that marked them failed, if any. One listing of the staging directory, not a look per
+        rank: on a shared filesystem each look is a request to its server."""
+        try:
+            names = set(os.listdir(self.staging))
+        except OSError:
+            names = set()
         for rank in sorted(waiting):
-            failed = self.staging / _marker(_FAILED, rank)
-            if failed.exists():
+            if _marker(_FAILED, rank) in names:
+                failed = self.staging / _marker(_FAILED, rank)
                 told = failed.read_text() or "could not write its files"
                 return f"rank {rank}: {told}"
-            if (self.staging / _marker(_WRITTEN, rank)).exists():
+            if _marker(_WRITTEN, rank) in names:
                 waiting.discard(rank)
         return None
 
