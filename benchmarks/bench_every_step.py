@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m lockstep run --nproc-per-node 2 benchmarks/bench_every_step.py
     OMP_NUM_THREADS=1 python benchmarks/bench_every_step.py        # one process
+    python benchmarks/bench_every_step.py --device cuda             # one process on a GPU
 
 Trains the demo's model (``examples/chargpt.py``: a 0.8M-parameter GPT with AdamW, ~10 MB of
 state) with lockstep's DDP on random tokens, in blocks of ``--block`` steps that take turns:
@@ -47,13 +48,15 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10, help="steps per block")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of one block per mode, after one of warm-up")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step on each rank")
+    parser.add_argument("--device", default=None,
+                        help="cpu or cuda (default: lockstep's choice, a GPU per rank when there are GPUs)")
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
     args = parser.parse_args()
-    info = lockstep.init_distributed()
-    rank = info.rank
+    info = lockstep.init_distributed(device=args.device)
+    rank, device = info.rank, info.device
     torch.manual_seed(0)
     config = GPTConfig(97, 128, 4, 4, 128)  # the demo's defaults
-    model = lockstep.DistributedDataParallel(GPT(config))
+    model = lockstep.DistributedDataParallel(GPT(config).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     generator = torch.Generator().manual_seed(rank)
     with tempfile.TemporaryDirectory() as scratch:
@@ -70,7 +73,7 @@ def main() -> None:
                 began = time.perf_counter()
                 for _ in range(args.block):
                     tokens = torch.randint(0, config.vocab_size, (args.batch_size, config.block_size + 1),
-                                           generator=generator)
+                                           generator=generator).to(device, non_blocking=True)
                     logits = model(tokens[:, :-1])
                     loss = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
                     optimizer.zero_grad(set_to_none=True)
@@ -81,13 +84,15 @@ def main() -> None:
                         ckpt.save(step, model=model, optimizer=optimizer)
                     elif mode == "torch.save" and rank == 0:
                         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the block's own device work, not the next's
                 if round_ > 0:
                     blocks[mode].append((time.perf_counter() - began) / args.block)
         ckpt.close()
         if info.world_size > 1:
             dist.barrier()  # before rank 0 removes the directory
     if rank == 0:
-        print(f"world {info.world_size}, {args.rounds} rounds of {args.block} steps per mode; "
+        print(f"world {info.world_size} on {device}, {args.rounds} rounds of {args.block} steps per mode; "
               "throughput: bare's step time over the mode's in the same round, median (and range) "
               "over rounds")
         print("| mode | ms per step (median block) | throughput | range |")

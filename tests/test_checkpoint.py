@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import json
 import os
 import random
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lockstep
-from lockstep.checkpoint import Checkpointer, CheckpointError, load_weights
+from lockstep.checkpoint import Checkpointer, CheckpointError, load_weights, tensorfile
 from lockstep.checkpoint import io as ckpt_io
 from lockstep.small_gather import SLOT_BYTES, all_gather_small
 
@@ -256,13 +257,17 @@ def test_lean_files_that_would_run_code_or_reach_past_their_end_are_refused(tmp_
         ckpt_io.read_verified(path)
     assert not marker.exists()
 
-    class Crafted(pickle.Pickler):
+    class Crafted(pickle.Pickler):  # a tensor as a persistent id: how files were written before
         def persistent_id(self, obj):
             return obj.pid if isinstance(obj, _Described) else None
 
-    def crafted(pid, tail: bytes) -> None:
+    class Marked(pickle.Pickler):  # a tensor as a call of the marker: how files are written now
+        def reducer_override(self, obj):
+            return (tensorfile._tensor, (obj.pid,)) if isinstance(obj, _Described) else NotImplemented
+
+    def crafted(pid, tail: bytes, pickler=Crafted) -> None:
         buffer = io.BytesIO()
-        Crafted(buffer, protocol=4).dump(("little", {"w": _Described(pid)}))
+        pickler(buffer, protocol=4).dump(("little", {"w": _Described(pid)}))
         body = buffer.getvalue()
         import struct
 
@@ -271,16 +276,17 @@ def test_lean_files_that_would_run_code_or_reach_past_their_end_are_refused(tmp_
         path.write_bytes(b"LOCKSTEP-CKPT-2 %08x %020d\n" % (zlib.crc32(payload), len(payload)) + payload)
 
     good = ("lockstep-tensor", 0, 16, "float32", 0, (4,), (1,), False)
-    crafted(good, bytes(16))
-    assert torch.equal(ckpt_io.read_verified(path)["w"], torch.zeros(4))
-    for pid, tail, why in (
+    for pickler in (Crafted, Marked):
+        crafted(good, bytes(16), pickler)
+        assert torch.equal(ckpt_io.read_verified(path)["w"], torch.zeros(4))
+    for (pid, tail, why), pickler in itertools.product((
         (good[:5] + ((5,),) + good[6:], bytes(16), "past the end of its storage"),
         (good[:2] + (2**40,) + good[3:], bytes(16), "more bytes than the file holds"),
         (good[:3] + ("Tensor",) + good[4:], bytes(16), "unknown tensor dtype"),
         (good[:6] + ((-1,),) + good[7:], bytes(16), "bad sizes"),
         (good, bytes(24), "8 bytes past its last tensor"),
-    ):
-        crafted(pid, tail)
+    ), (Crafted, Marked)):
+        crafted(pid, tail, pickler)
         with pytest.raises(CheckpointError, match=f"refusing to load .*state\\.pt: its? .*{why}"):
             ckpt_io.read_verified(path)
     crafted(good, bytes(16))

@@ -3,14 +3,15 @@
 ``torch.save`` runs Python hooks for every object it pickles and writes each tensor as an entry
 of a zip archive; for a state of a few hundred tensors that is most of a save's CPU time (22 of
 the 39 ms a 9.5 MiB GPT + AdamW state took on the writing thread). Here the structure (dicts,
-lists, tuples, numbers, strings; an ``OrderedDict`` with its attributes, as ``state_dict()``
-returns) goes through the C pickler with each tensor replaced by a description of it, and each
+lists, tuples, numbers, strings, bytes, sets; an ``OrderedDict`` with its attributes, as
+``state_dict()`` returns) goes through the C pickler with each tensor replaced by a description of it, and each
 storage's bytes follow, 64-byte aligned, written straight from the tensor's memory::
 
     <u64 length of the pickle> <pickle> <pad> <storage 0> <pad> <storage 1> <pad> ...
 
-Loading never runs code: the unpickler resolves one global (``collections.OrderedDict``), and
-the reader rebuilds each tensor from its description after checking it against the file.
+Loading never runs code: the unpickler resolves two names, ``collections.OrderedDict`` and the
+tensor marker (``_tensor``, mapped to the reader's own builder), and the reader rebuilds each
+tensor from its description after checking it against the file.
 
 A state holding anything else (a tensor subclass such as ``nn.Parameter``, a tensor not in CPU
 memory, sparse or quantized, another type) has no such encoding: :func:`plan` returns ``None``
@@ -35,7 +36,9 @@ __all__ = ["Plan", "plan", "read"]
 
 _ALIGN = 64
 _LENGTH = struct.Struct("<Q")
-_PLAIN = frozenset({type(None), bool, int, float, str, dict, collections.OrderedDict, list, tuple})
+# Exact instances of these pickle natively (most never reach reducer_override).
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes, set, frozenset, dict,
+                    collections.OrderedDict, list, tuple})
 _TAG = "lockstep-tensor"
 
 
@@ -55,20 +58,37 @@ class _NotPlain(Exception):
     pass
 
 
+def _tensor(description: Any) -> torch.Tensor:
+    """What a tensor pickles as: a call of this function with the tensor's description. The
+    reader maps the name to its own builder (:meth:`_Tensors.build`); this is never called."""
+    raise RuntimeError("tensorfile._tensor is a marker in the pickle; read files with tensorfile.read")
+
+
 class _Pickler(pickle.Pickler):
-    """Pickles the structure; each tensor becomes a persistent id describing it."""
+    """Pickles the structure; each tensor becomes a call of :func:`_tensor` describing it.
+
+    ``reducer_override`` is not called for exact ``dict``, ``list``, ``tuple``, ``str``,
+    ``int``, ``float``, ``bool`` or ``None`` (the C pickler handles them itself), so the Python
+    code below runs once per tensor and ``OrderedDict``, not once per object as a
+    ``persistent_id`` would: a few thousand calls fewer per save of a model and its optimizer,
+    on a thread that shares the GIL with training (issue #24). Files written with persistent
+    ids by earlier versions still load (:class:`_Unpickler`).
+    """
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=4)
         self.storages: list[torch.UntypedStorage] = []
         self._index: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
-        if kind in _PLAIN or obj is collections.OrderedDict:  # the class: how one is rebuilt
-            return None
-        if kind is not torch.Tensor:
-            raise _NotPlain(kind.__name__)
+        if kind is torch.Tensor:
+            return _tensor, (self._describe(obj),)
+        if kind in _PLAIN or obj is collections.OrderedDict or obj is _tensor:  # the class, the marker
+            return NotImplemented
+        raise _NotPlain(kind.__name__)
+
+    def _describe(self, obj: torch.Tensor) -> tuple:
         if (obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized
                 or obj.is_nested or obj.is_conj() or obj.is_neg()
                 or any(getattr(obj, "names", ()))):  # named tensors (torch < 2.13): torch.save refuses them
@@ -123,7 +143,8 @@ def plan(obj: Any) -> Plan | None:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Resolves no global but ``collections.OrderedDict``; tensors come from :class:`_Tensors`."""
+    """Resolves no global but ``collections.OrderedDict`` and the tensor marker, which builds
+    from :class:`_Tensors` (as does a persistent id, what earlier versions wrote)."""
 
     def __init__(self, data: bytes, tensors: _Tensors) -> None:
         super().__init__(io.BytesIO(data))
@@ -132,6 +153,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
+        if (module, name) == (__name__, _tensor.__name__):
+            return self._tensors.build
         raise ValueError(f"it refers to {module}.{name}; lockstep checkpoints hold none")
 
     def persistent_load(self, pid: Any) -> Any:
