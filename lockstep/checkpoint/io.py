@@ -25,6 +25,7 @@ import torch
 from lockstep.checkpoint import tensorfile
 
 __all__ = [
+    "SCALARS",
     "CheckpointError",
     "check_length",
     "check_loadable",
@@ -40,8 +41,8 @@ __all__ = [
 _MAGIC = b"LOCKSTEP-CKPT-1"  # the payload is torch.save output
 _LEAN_MAGIC = b"LOCKSTEP-CKPT-2"  # the payload is tensorfile's encoding
 _MAGICS = (_MAGIC, _LEAN_MAGIC)
-# Types that torch.load(weights_only=True) restores on every torch we support (>= 2.4).
-_SCALARS = (type(None), bool, int, float, str)
+# Types that torch.load(weights_only=True) restores on every torch we support (>= 2.4); immutable.
+SCALARS = frozenset({type(None), bool, int, float, str})
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -55,17 +56,21 @@ def check_loadable(obj: Any, where: str) -> None:
     Raises:
         TypeError: naming the path inside ``obj`` (e.g. ``extra['cfg'][2]``) and its type.
     """
-    if isinstance(obj, torch.Tensor) or type(obj) in _SCALARS:
+    if isinstance(obj, torch.Tensor) or type(obj) in SCALARS:
         return
+    # Scalars and tensors inside a container are passed over here, without a call or the path
+    # of each: a state has hundreds, and a save every step checks them all (issue #24).
     if type(obj) in (dict, OrderedDict):
         for key, value in obj.items():
             if type(key) not in (str, int):
                 raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int")
-            check_loadable(value, f"{where}[{key!r}]")
+            if type(value) not in SCALARS and type(value) is not torch.Tensor:
+                check_loadable(value, f"{where}[{key!r}]")
         return
     if type(obj) in (list, tuple):
         for i, value in enumerate(obj):
-            check_loadable(value, f"{where}[{i}]")
+            if type(value) not in SCALARS and type(value) is not torch.Tensor:
+                check_loadable(value, f"{where}[{i}]")
         return
     raise TypeError(
         f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which lockstep will not "

@@ -23,17 +23,45 @@ from typing import Any
 import torch
 
 from lockstep.checkpoint.deferred import DeferredCopy, storage_key
+from lockstep.checkpoint.io import SCALARS
 
 __all__ = ["Snapshot"]
 
 
+_ALIGN = 64  # where each buffer starts in its file's arena (any dtype's alignment)
+
+
+class _Misfit(Exception):
+    """A tensor has no buffer of its path, shape and dtype: the arenas are laid out again."""
+
+
+class _Walk:
+    """What one :meth:`Snapshot.take` gathers while it walks the containers."""
+
+    __slots__ = ("defer", "later", "now", "used")
+
+    def __init__(self, defer: Collection[tuple[str, int]]) -> None:
+        self.defer = defer
+        self.used: dict[str, torch.Tensor] = {}  # path -> the buffer this save copies into
+        self.now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA copies save() waits for
+        self.later: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # DeferredCopy's
+
+
 class Snapshot:
-    """Copies nested containers of tensors into host buffers that are reused between saves."""
+    """Copies nested containers of tensors into host buffers that are reused between saves.
+
+    The buffers of one file are views into one block of host memory, its arena (pinned when the
+    file holds CUDA tensors), laid out when a save finds a tensor without a buffer of its path,
+    shape and dtype, or a tensor gone; later saves reuse it. A file of a few hundred tensors
+    then has one storage, which its encoding writes and checksums as one piece (``tensorfile``)
+    instead of a few hundred, each with its own Python calls on a thread that shares the GIL
+    with training (issue #24).
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device
-        self.nbytes = 0  # bytes of tensor data held by the last snapshot
+        self.nbytes = 0  # bytes of host memory held by the snapshot's buffers
 
     def take(
         self, files: Mapping[str, Any], defer: Collection[tuple[str, int]] = (), step: int | None = None
@@ -41,7 +69,8 @@ class Snapshot:
         """A deep copy of ``files`` whose tensors live in this object's host buffers.
 
         Containers are copied (dicts, lists, tuples); numbers, strings and ``None`` are shared
-        (they are immutable). Only what ``check_loadable`` accepts may be passed.
+        (they are immutable). Only what ``check_loadable`` accepts may be passed. The buffers
+        may be reused once the previous copy is no longer read (its write has finished).
 
         Args:
             files: file name -> content, still referencing the live tensors.
@@ -52,19 +81,46 @@ class Snapshot:
             The copy, and the copies still to do: its buffers hold the data once
             ``DeferredCopy.run`` returned.
         """
-        used: dict[str, torch.Tensor] = {}
-        now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA copies that save() waits for
-        later: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        out = {name: self._copy(value, name, used, now, (defer, later))
-               for name, value in files.items()}
-        streams = self._queue(now)
+        try:
+            out, walk = self._walk(files, defer)
+            fits = True
+        except _Misfit:
+            fits = False
+        if not fits:  # new tensors, other shapes, or some gone: lay out, copy everything again
+            self._lay_out(files)  # (outside the handler, whose traceback holds the old buffers)
+            out, walk = self._walk(files, defer)
+        streams = self._queue(walk.now)
         for stream in streams:
             stream.synchronize()  # the copy exists before the loop may change the originals
-        on_cuda = [(source, buffer) for _, source, buffer in later if source.device.type == "cuda"]
+        on_cuda = [(source, buffer) for _, source, buffer in walk.later if source.device.type == "cuda"]
         events = [stream.record_event() for stream in self._queue(on_cuda)]  # not waited for
-        self._buffers = used  # drop buffers of tensors that are gone
-        self.nbytes = sum(t.numel() * t.element_size() for t in used.values())
-        return out, DeferredCopy(later, events, step)
+        return out, DeferredCopy(walk.later, events, step)
+
+    def _walk(self, files: Mapping[str, Any],
+              defer: Collection[tuple[str, int]]) -> tuple[dict[str, Any], _Walk]:
+        walk = _Walk(defer)
+        out = {name: self._copy(value, name, walk) for name, value in files.items()}
+        if len(walk.used) != len(self._buffers):
+            raise _Misfit("a tensor is gone")  # its arena would hold (and write) its bytes
+        return out, walk
+
+    def _lay_out(self, files: Mapping[str, Any]) -> None:
+        """One arena per file, each of its tensors a view at a 64-byte aligned offset."""
+        self._buffers, self.nbytes = {}, 0  # the old arenas go first
+        for name, value in files.items():
+            specs: list[tuple[str, torch.Tensor]] = []
+            _tensors(value, name, specs)
+            offsets, total = [], 0
+            for _, tensor in specs:
+                total += -total % _ALIGN
+                offsets.append(total)
+                total += tensor.numel() * tensor.element_size()
+            pin = any(tensor.device.type == "cuda" for _, tensor in specs)
+            arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            for (path, tensor), offset in zip(specs, offsets, strict=True):
+                size = tensor.numel() * tensor.element_size()
+                self._buffers[path] = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+            self.nbytes += total
 
     def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
         """Queue ``(source, host buffer)`` CUDA copies on each device's side stream, in order.
@@ -85,34 +141,31 @@ class Snapshot:
             streams.append(stream)
         return streams
 
-    def _copy(self, obj: Any, path: str, used: dict[str, torch.Tensor], now: list,
-              later: tuple[Collection, list]) -> Any:
+    def _copy(self, obj: Any, path: str, walk: _Walk) -> Any:
+        # Immutable scalars inside a container are shared without a call or a path: a state has
+        # hundreds (an optimizer's parameter indices, its hyperparameters), copied every save.
         if isinstance(obj, torch.Tensor):
-            return self._copy_tensor(obj, path, used, now, later)
+            return self._copy_tensor(obj, path, walk)
         if isinstance(obj, dict):
-            copied = {k: self._copy(v, f"{path}/{k}", used, now, later)
+            copied = {k: v if type(v) in SCALARS else self._copy(v, f"{path}/{k}", walk)
                       for k, v in obj.items()}
             return type(obj)(copied) if type(obj) is not dict else copied
         if isinstance(obj, (list, tuple)):
-            items = [self._copy(v, f"{path}/{i}", used, now, later) for i, v in enumerate(obj)]
+            items = [v if type(v) in SCALARS else self._copy(v, f"{path}/{i}", walk)
+                     for i, v in enumerate(obj)]
             return type(obj)(items)
         return obj
 
-    def _copy_tensor(
-        self, tensor: torch.Tensor, path: str, used: dict[str, torch.Tensor], now: list,
-        later: tuple[Collection, list],
-    ) -> torch.Tensor:
+    def _copy_tensor(self, tensor: torch.Tensor, path: str, walk: _Walk) -> torch.Tensor:
         tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-        used[path] = buffer
-        defer, jobs = later
-        if defer and storage_key(tensor) in defer:
-            jobs.append((path, tensor, buffer))  # copied by DeferredCopy, after save() returns
+            raise _Misfit(path)
+        walk.used[path] = buffer
+        if walk.defer and storage_key(tensor) in walk.defer:
+            walk.later.append((path, tensor, buffer))  # copied by DeferredCopy, after save() returns
         elif tensor.device.type == "cuda":
-            now.append((tensor, buffer))  # queued together once the walk is done
+            walk.now.append((tensor, buffer))  # queued together once the walk is done
         else:
             buffer.copy_(tensor)
         return buffer
@@ -125,3 +178,18 @@ class Snapshot:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         return stream
+
+
+
+
+def _tensors(obj: Any, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
+    """Append ``(path, tensor)`` for each tensor of ``obj``, in :meth:`Snapshot._copy`'s order
+    and with its paths."""
+    if isinstance(obj, torch.Tensor):
+        found.append((path, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _tensors(v, f"{path}/{k}", found)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensors(v, f"{path}/{i}", found)
