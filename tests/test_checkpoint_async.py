@@ -223,6 +223,25 @@ def test_another_checkpointer_on_the_directory_waits_for_the_write(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000000001", "step_000000000002"]
 
 
+def _save_and_return(rank: int, directory: str) -> int:
+    lockstep.init_distributed()
+    ckpt_io._write_fully = _slow_write(ckpt_io._write_fully, 1.0)  # type: ignore[assignment]
+    torch.manual_seed(0)
+    Checkpointer(directory).save(4, model=_model())  # asynchronous: still being written
+    return rank
+
+
+@pytest.mark.multirank
+def test_a_spawned_function_that_returns_right_after_save_leaves_it_complete(tmp_path):
+    """``lockstep.spawn`` lets a rank whose write is still running exit by itself instead of
+    killing it once every rank has returned (which lost the checkpoint)."""
+    assert lockstep.spawn(_save_and_return, 2, (str(tmp_path),), timeout=120) == [0, 1]
+    torch.manual_seed(0)
+    want, model = _model(), _model(1)
+    assert Checkpointer(tmp_path).restore(model=model).step == 4
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
 def test_exit_right_after_save_leaves_a_complete_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import torch, lockstep

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,6 +100,24 @@ def _rank0_dies(rank):
 def test_spawn_reports_a_dead_worker():
     with pytest.raises(lockstep.WorkerError, match="rank 0 died with exit code 7"):
         lockstep.spawn(_rank0_dies, 2, timeout=90)
+
+
+def _leaves_a_thread_running(rank):
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(600,), name="never-ends").start()  # not a daemon
+    return rank
+
+
+def test_spawn_kills_a_rank_whose_threads_outlast_the_timeout(caplog):
+    """A rank that returned is let exit by itself while threads of its own run (a checkpoint
+    being written), but never past the spawn's timeout."""
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="lockstep.launcher.spawn"):
+        assert lockstep.spawn(_leaves_a_thread_running, 1, timeout=4) == [0]
+    assert time.monotonic() - start < 30
+    assert "rank 0 still ran never-ends when the timeout expired: killed" in caplog.text
 
 
 def _listening_ports_of_this_process() -> list[str]:

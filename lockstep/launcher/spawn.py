@@ -10,12 +10,14 @@ others are stopped instead of being left to wait in a collective.
 from __future__ import annotations
 
 import ast
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,6 +25,8 @@ from typing import Any
 
 from lockstep.env import loopback_gloo
 from lockstep.launcher.payload import interactive_main, pack, unpack
+
+logger = logging.getLogger(__name__)
 
 # What a forked worker finds imported: torch, and DDP's imports (torch.compile's Dynamo, 1.7 s
 # of a new interpreter's first DDP), done once in the fork server.
@@ -63,13 +67,21 @@ def _worker(payload: bytes, rank: int, env: dict, results: Any) -> None:
         value = fn(rank, *args)
         # Plain pickle copies tensor data into the message; multiprocessing's own pickler would
         # send a handle to this worker's shared memory, which dies with the worker.
-        results.put((rank, True, pickle.dumps(value)))
+        results.put((rank, True, pickle.dumps(value), _lingering()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}",
+                     _lingering()))
     finally:
         from lockstep.distributed import shutdown_distributed
 
         shutdown_distributed()  # joins gloo's threads before this interpreter finalizes
+
+
+def _lingering() -> list[str]:
+    """The threads that would keep this process from exiting (not daemons): a checkpoint
+    still being written, say. The caller lets such a rank exit by itself instead of killing it."""
+    main = threading.main_thread()
+    return [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
 def _worker_env(rank: int, nprocs: int, port: int, threads: int | None) -> dict[str, str]:
@@ -155,14 +167,31 @@ def spawn(
         proc = ctx.Process(target=_worker, args=(payload, rank, env, results), daemon=True)
         proc.start()
         procs.append(proc)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    lingering: dict[int, list[str]] = {}
+    finished = False
     try:
-        return _collect(procs, results, timeout)
+        values = _collect(procs, results, timeout, lingering)
+        finished = True
+        return values
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=5)
+        _stop(procs, lingering if finished else {}, deadline)
         results.close()
+
+
+def _stop(procs: list, lingering: dict[int, list[str]], deadline: float | None) -> None:
+    """End the workers: a rank that returned while threads of its own still ran (a checkpoint
+    being written) exits by itself, within the spawn's timeout; the others are killed at once,
+    as they have nothing left to do that matters (interpreter teardown costs ~0.5 s a rank)."""
+    for rank, proc in enumerate(procs):
+        if lingering.get(rank):
+            proc.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("lockstep.spawn: rank %d still ran %s when the timeout expired: killed",
+                               rank, ", ".join(lingering[rank]))
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=5)
 
 
 def _refuse_unguarded_call(caller: Any) -> None:
@@ -203,8 +232,10 @@ def _dead_without_report(procs: list, reported: set[int]) -> WorkerError | None:
     return None
 
 
-def _collect(procs: list, results: Any, timeout: float | None) -> list[Any]:
-    """Wait for every rank's result; on failure, name the root cause.
+def _collect(procs: list, results: Any, timeout: float | None,
+             lingering: dict[int, list[str]]) -> list[Any]:
+    """Wait for every rank's result (and note in ``lingering`` the threads each rank still ran
+    when it reported); on failure, name the root cause.
 
     A rank that died without reporting (a signal, ``os._exit``) is the root cause over ranks
     that raised afterwards, since their errors are usually the broken connection to it.
@@ -216,7 +247,7 @@ def _collect(procs: list, results: Any, timeout: float | None) -> list[Any]:
     failed_at: float | None = None
     while len(reported) < len(procs):
         try:
-            rank, ok, value = results.get(timeout=0.1)
+            rank, ok, value, lingering[rank] = results.get(timeout=0.1)
             reported.add(rank)
             if ok:
                 values[rank] = pickle.loads(value)
