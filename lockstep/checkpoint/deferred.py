@@ -48,16 +48,20 @@ _CHUNK_BYTES = 8 * 2**20
 _ORPHAN = -1  # the owner of a piece whose copy was interrupted: any waiting thread copies it
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
     """What identifies ``tensor``'s memory across views (``None``: empty, or no plain storage,
-    as a sparse tensor or a DTensor: such a tensor is copied at once)."""
-    if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    as a sparse tensor or a DTensor: such a tensor is copied at once). Called twice per tensor
+    of every save: kept to a few attribute reads."""
+    if type(tensor) not in _PLAIN_TENSORS or tensor.layout is not torch.strided:
         return None
     try:
         ptr = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    return (str(tensor.device), ptr) if ptr else None
+    return (tensor.device, ptr) if ptr else None
 
 
 def stepping_optimizers(objects: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
@@ -65,9 +69,9 @@ def stepping_optimizers(objects: Mapping[str, Any]) -> list[torch.optim.Optimize
     return [obj for obj in objects.values() if isinstance(obj, torch.optim.Optimizer)]
 
 
-def stepped_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[str, int]]:
+def stepped_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[torch.device, int]]:
     """The memory that only a step of ``optimizers`` changes: their parameters and state."""
-    keys: set[tuple[str, int] | None] = set()
+    keys: set[tuple[torch.device, int] | None] = set()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             keys.update(storage_key(p) for p in group["params"])

@@ -40,7 +40,7 @@ class _Walk:
 
     __slots__ = ("defer", "later", "now", "used")
 
-    def __init__(self, defer: Collection[tuple[str, int]]) -> None:
+    def __init__(self, defer: Collection[tuple[torch.device, int]]) -> None:
         self.defer = defer
         self.used: dict[str, torch.Tensor] = {}  # path -> the buffer this save copies into
         self.now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA copies save() waits for
@@ -64,7 +64,7 @@ class Snapshot:
         self.nbytes = 0  # bytes of host memory held by the snapshot's buffers
 
     def take(
-        self, files: Mapping[str, Any], defer: Collection[tuple[str, int]] = (), step: int | None = None
+        self, files: Mapping[str, Any], defer: Collection[tuple[torch.device, int]] = (), step: int | None = None
     ) -> tuple[dict[str, Any], DeferredCopy]:
         """A deep copy of ``files`` whose tensors live in this object's host buffers.
 
@@ -97,7 +97,7 @@ class Snapshot:
         return out, DeferredCopy(walk.later, events, step)
 
     def _walk(self, files: Mapping[str, Any],
-              defer: Collection[tuple[str, int]]) -> tuple[dict[str, Any], _Walk]:
+              defer: Collection[tuple[torch.device, int]]) -> tuple[dict[str, Any], _Walk]:
         walk = _Walk(defer)
         out = {name: self._copy(value, name, walk) for name, value in files.items()}
         if len(walk.used) != len(self._buffers):
