@@ -119,3 +119,17 @@ def _reader(content):
 
 def _length(content) -> int:
     return len(_encoded(content))
+
+
+def test_a_large_state_is_cut_into_arenas_of_a_bounded_size(monkeypatch):
+    from lockstep.checkpoint import snapshot as snapshot_module
+
+    monkeypatch.setattr(snapshot_module, "_ARENA_BYTES", 256)  # pinned memory comes in powers of two
+    files = {"state.pt": {"small": [torch.randn(10), torch.randn(40)], "large": torch.randn(100),
+                          "tail": [torch.randn(3), torch.empty(0)]}}
+    snapshot = Snapshot()
+    out = _take(snapshot, files)
+    _same(out, files)
+    arenas = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out) if t.numel()}
+    assert sorted(arenas.values()) == [12, 224, 400]  # 40 + 160 bytes (aligned at 64) / 400 alone / 12
+    assert _storages(out["state.pt"]) == 3 and snapshot.nbytes == 636

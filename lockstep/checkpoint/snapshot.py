@@ -29,6 +29,7 @@ __all__ = ["Snapshot"]
 
 
 _ALIGN = 64  # where each buffer starts in its file's arena (any dtype's alignment)
+_ARENA_BYTES = 64 * 2**20  # the most one arena holds (a power of two: see Snapshot._lay_out)
 
 
 class _Misfit(Exception):
@@ -105,22 +106,25 @@ class Snapshot:
         return out, walk
 
     def _lay_out(self, files: Mapping[str, Any]) -> None:
-        """One arena per file, each of its tensors a view at a 64-byte aligned offset."""
+        """Each file's tensors as views into arenas, at 64-byte aligned offsets.
+
+        An arena holds at most ``_ARENA_BYTES`` (a tensor larger than that has one of its own):
+        pinned memory is allocated in powers of two by torch's host allocator, so one block of
+        a whole model's size could cost up to twice that; blocks of exactly a power of two cost
+        what they hold.
+        """
         self._buffers, self.nbytes = {}, 0  # the old arenas go first
         for name, value in files.items():
             specs: list[tuple[str, torch.Tensor]] = []
             _tensors(value, name, specs)
-            offsets, total = [], 0
-            for _, tensor in specs:
-                total += -total % _ALIGN
-                offsets.append(total)
-                total += tensor.numel() * tensor.element_size()
             pin = any(tensor.device.type == "cuda" for _, tensor in specs)
-            arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-            for (path, tensor), offset in zip(specs, offsets, strict=True):
-                size = tensor.numel() * tensor.element_size()
-                self._buffers[path] = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
-            self.nbytes += total
+            for block in _blocks(specs):
+                total = block[-1][2] + block[-1][1].numel() * block[-1][1].element_size()
+                arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+                for path, tensor, offset in block:
+                    size = tensor.numel() * tensor.element_size()
+                    self._buffers[path] = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+                self.nbytes += total
 
     def _queue(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
         """Queue ``(source, host buffer)`` CUDA copies on each device's side stream, in order.
@@ -193,3 +197,19 @@ def _tensors(obj: Any, path: str, found: list[tuple[str, torch.Tensor]]) -> None
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _tensors(v, f"{path}/{i}", found)
+
+
+def _blocks(specs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor, int]]]:
+    """``specs`` cut into arenas of at most ``_ARENA_BYTES``, in order: each ``(path, tensor,
+    offset in its arena)``; a tensor of more than ``_ARENA_BYTES`` is an arena alone."""
+    blocks: list[list[tuple[str, torch.Tensor, int]]] = []
+    end = _ARENA_BYTES + 1  # no arena open yet
+    for path, tensor in specs:
+        size = tensor.numel() * tensor.element_size()
+        offset = end + -end % _ALIGN if size else end  # an empty tensor needs no padding
+        if offset + size > _ARENA_BYTES:
+            blocks.append([])
+            offset = 0
+        blocks[-1].append((path, tensor, offset))
+        end = offset + size
+    return blocks
