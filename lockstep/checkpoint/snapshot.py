@@ -118,7 +118,10 @@ class Snapshot:
             specs: list[tuple[str, torch.Tensor]] = []
             _tensors(value, name, specs)
             pin = any(tensor.device.type == "cuda" for _, tensor in specs)
-            for block in _blocks(specs):
+            for path, tensor in specs:
+                if not tensor.numel():  # no bytes: not in an arena (where it would need aligning)
+                    self._buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype)
+            for block in _blocks([(path, tensor) for path, tensor in specs if tensor.numel()]):
                 total = block[-1][2] + block[-1][1].numel() * block[-1][1].element_size()
                 arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
                 for path, tensor, offset in block:
@@ -206,7 +209,7 @@ def _blocks(specs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch
     end = _ARENA_BYTES + 1  # no arena open yet
     for path, tensor in specs:
         size = tensor.numel() * tensor.element_size()
-        offset = end + -end % _ALIGN if size else end  # an empty tensor needs no padding
+        offset = end + -end % _ALIGN
         if offset + size > _ARENA_BYTES:
             blocks.append([])
             offset = 0
