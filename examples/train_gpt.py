@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-dir", type=Path, default=None,
         help="save checkpoints here and resume from the newest at start; None saves nothing")
     add("--checkpoint-every", type=int, default=50, help="steps between checkpoints (with --checkpoint-dir)")
+    add("--checkpoint-max-overhead", type=float, default=None,
+        help="skip saves that come sooner than this share of the time allows, e.g. 0.05 with "
+             "--checkpoint-every 1 (lockstep.Checkpointer's max_overhead); None: no pacing")
     return parser
 
 
@@ -75,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "checkpoint_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    share = args.checkpoint_max_overhead
+    if share is not None and not 0 < share <= 1:
+        parser.error(f"--checkpoint-max-overhead must be in (0, 1], e.g. 0.05 for 5%, got {share}")
     return args
 
 
@@ -143,8 +149,10 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
     tokens_per_step = args.batch_size * args.block_size * rt.world_size
     ckpt, objects, first, start_epoch = None, {}, 1, 0
     if args.checkpoint_dir is not None:
-        # Asynchronous saves; one still being written when the next is due is skipped.
-        ckpt = lockstep.Checkpointer(args.checkpoint_dir, keep=2, when_busy="skip")
+        # Asynchronous saves; one still being written when the next is due is skipped (and,
+        # with --checkpoint-max-overhead, one that comes sooner than that share allows).
+        ckpt = lockstep.Checkpointer(args.checkpoint_dir, keep=2, when_busy="skip",
+                                     max_overhead=args.checkpoint_max_overhead)
         objects = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": train_loader}
         resumed = ckpt.restore(**objects)
         if resumed is not None:
@@ -181,9 +189,8 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
             shown["val_loss"] = f"{history['val'][-1][1]:.3f}"
             clock = time.perf_counter()  # evaluation is not training time
         if ckpt is not None and (step % args.checkpoint_every == 0 or step == args.max_steps):
-            if step == args.max_steps:
-                ckpt.wait()  # the last step's checkpoint is never skipped for a busy writer
-            ckpt.save(step, epoch=epoch, **objects)
+            # The last step's checkpoint is never skipped: a blocking save never is.
+            ckpt.save(step, epoch=epoch, blocking=step == args.max_steps, **objects)
         bar.set_postfix(shown, refresh=False)
         bar.update()
         if step == args.max_steps:

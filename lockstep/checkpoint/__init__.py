@@ -3,7 +3,8 @@
 ``manager`` is the public API (:class:`Checkpointer`); ``meeting`` is where ranks meet and what
 they must agree on; ``directory`` names, lists and prunes checkpoints; ``writing`` writes one
 (staging, checksummed files, publish); ``snapshot`` copies the state into reused host buffers
-and ``background`` writes that copy in a thread (asynchronous saves); ``loading`` verifies one
+and ``background`` writes that copy in a thread (asynchronous saves); ``budget`` paces them to
+a share of the loop's time (``max_overhead``); ``loading`` verifies one
 and loads it into objects; ``state`` knows what each object holds; ``io`` knows how bytes reach
 the disk and come back.
 """

@@ -115,6 +115,8 @@ class BackgroundSave:
         self._asked = -1  # the last rank whose liveness rank 0 asked about
         self._deferred = deferred if deferred is not None else DeferredCopy([], [])
         self.error: str | None = None  # "rank r: message" of the first failure seen here
+        # CPU seconds the writing thread used (encoding, checksums, writes), once it has ended.
+        self.cpu_seconds: float | None = None
         self._timeout = timeout
         # For rank 0's wait for the other ranks: counted from its own check (see _run).
         self._deadline = float("inf")
@@ -147,6 +149,13 @@ class BackgroundSave:
         write_files(self.staging, self._files, self._copy)
 
     def _run(self) -> None:
+        began = time.thread_time()
+        try:
+            self._run_write()
+        finally:
+            self.cpu_seconds = time.thread_time() - began
+
+    def _run_write(self) -> None:
         _yield_to_training()
         _, error = self._attempt(self._write)
         changed = self._deferred.checked()  # nothing is published before the check passed

@@ -41,6 +41,7 @@ from lockstep.checkpoint.background import (
     hold_liveness,
     wait_for_writes,
 )
+from lockstep.checkpoint.budget import SaveBudget, check_share
 from lockstep.checkpoint.deferred import DeferredCopy, stepped_storages, stepping_optimizers
 from lockstep.checkpoint.directory import (
     check_directory,
@@ -128,6 +129,15 @@ class Checkpointer:
             changed in place meanwhile fails (see ``deferred.py``). ``False``: copy everything
             before ``save()`` returns, for loops that write parameters outside ``step()``
             between a save and the next step.
+        max_overhead: pace asynchronous saves so that they take at most this share of the
+            loop's time (e.g. ``0.05``: 5%), for a loop that calls :meth:`save` every step
+            whatever a save costs: a call made sooner than the last saves' cost allows returns
+            at once without meeting the other ranks (they agree on the next save's step at
+            each save), and one that finds the previous save still being written is skipped
+            (whatever ``when_busy`` says). A save's cost is the training thread's time in ``save()`` plus
+            the writing thread's CPU time (see ``budget.py``); :attr:`last_skipped` tells
+            whether a call saved. ``None`` (the default): every call saves. Needs asynchronous
+            saves; a ``save(blocking=True)`` is never skipped.
 
     Example::
 
@@ -152,6 +162,7 @@ class Checkpointer:
         memory_dir: str | os.PathLike | None = None,
         when_busy: str = "wait",
         defer_copy: bool = True,
+        max_overhead: float | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -173,6 +184,17 @@ class Checkpointer:
             raise TypeError(f"defer_copy must be True or False, got {defer_copy!r}")
         if when_busy not in ("wait", "skip"):
             raise ValueError(f'when_busy must be "wait" or "skip", got {when_busy!r}')
+        self._budget: SaveBudget | None = None
+        if max_overhead is not None:
+            if blocking:
+                raise ValueError(
+                    "max_overhead paces asynchronous saves, but blocking=True makes every save "
+                    "blocking (never skipped): pass blocking=False, or drop max_overhead"
+                )
+            self._budget = SaveBudget(check_share(max_overhead))
+        self.max_overhead = self._budget.share if self._budget is not None else None
+        # Whether the last save() call was skipped (when_busy="skip" or max_overhead).
+        self.last_skipped = False
         self.when_busy = when_busy
         self.blocking = blocking
         self.defer_copy = defer_copy
@@ -253,11 +275,17 @@ class Checkpointer:
             pending.hurry(0.0)  # a dead peer's files never come
             self._unreplicated = None  # the ring it was to be copied around is gone too
         error = pending.join()
+        self._charge(pending)
         if moved and error is not None:
             logger.warning("checkpoint %s was dropped: the world changed while it was written "
                            "(%s); the previous checkpoint is the newest", pending.final, error)
             error = None
         return pending.final, error
+
+    def _charge(self, pending: BackgroundSave) -> None:
+        """Tell the budget (``max_overhead``) what the writing of ``pending`` cost, once ended."""
+        if self._budget is not None and pending.cpu_seconds is not None:
+            self._budget.written(pending, pending.cpu_seconds)
 
     @staticmethod
     def _raise_failures(final: Path | None, errors: list[str | None]) -> None:
@@ -379,28 +407,42 @@ class Checkpointer:
             blocking = self.blocking
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
+        budget = self._budget
+        if budget is not None and not blocking and budget.passes_over(step):
+            self.last_skipped = True  # too soon for max_overhead: every rank agreed so before
+            return self.directory / dir_name(step)
+        started = budget.now() if budget is not None else 0.0
         call = f"save(step={step})"
         self._meet(call)
-        may_skip = not blocking and self.when_busy == "skip"
-        busy = may_skip and self._pending is not None and self._pending.running()
+        may_skip = not blocking and (self.when_busy == "skip" or budget is not None)
+        pending = self._pending
+        if pending is not None and not pending.running():
+            self._charge(pending)
+        busy = may_skip and pending is not None and pending.running()
         # The save in flight here is finished first (unless it is still being written and this
         # save may be skipped), so that one collective agrees on the directory and step, on
-        # whether any rank is busy, and on how the previous save went.
+        # whether any rank is busy, on how the previous save went and, with max_overhead, on
+        # the step of the next save.
         finished = (None, None) if busy else self._finish_pending()
-        seen = self._gather((str(self.directory), step, busy, finished[1]))
-        skip = may_skip and any(flag for _, _, flag, _ in seen)
+        proposal = budget.propose(step) if budget is not None else None
+        seen = self._gather((str(self.directory), step, busy, finished[1], proposal))
+        skip = may_skip and any(flag for _, _, flag, _, _ in seen)
+        self.last_skipped = skip
         if finished[0] is not None and skip:
             self._finished = finished  # reported by the next save, wait() or restore()
         try:
-            check_agreement(call, [(where, at) for where, at, _, _ in seen])
+            check_agreement(call, [(where, at) for where, at, *_ in seen])
         except CheckpointError:
             if finished[0] is not None:
                 self._finished = finished  # the previous save's outcome is not lost
             raise
+        if budget is not None:
+            budget.agree([planned for *_, planned in seen])
         if skip:
-            logger.debug("skipped checkpoint of step %d: the previous save is still written", step)
+            logger.debug("skipped checkpoint of step %d: the previous save is still written or "
+                         "the next one is not due (max_overhead)", step)
             return self.directory / dir_name(step)
-        self._raise_failures(finished[0], [error for *_, error in seen])
+        self._raise_failures(finished[0], [error for *_, error, _ in seen])
         self._replicate()  # the previous save's files, now written, to the next rank's memory
         wait_for_writes(self.directory)  # another Checkpointer's save into the same directory
         rank, world = self._rank_and_world()
@@ -463,11 +505,16 @@ class Checkpointer:
                 staging, final, rank, world, files, publish_all,
                 self.timeout.total_seconds(), self._attempt, copy, later, alive_names,
             )
+            if budget is not None:
+                budget.taken(self._pending, budget.now() - started)
             return final
         files_list = checkpoint_files(world, writers)
         error = (self._attempt(lambda: self._publish(staging, final, files_list))[1]
                  if rank == 0 else None)
         self._agree(f"saving checkpoint {final}", error, drop_staging)
+        if budget is not None:  # a blocking save costs the loop all of its time
+            budget.taken(final, budget.now() - started)
+            budget.written(final, 0.0)
         if rank == 0:
             logger.info("saved checkpoint %s", final)
         return final
