@@ -155,3 +155,19 @@ def test_every_rank_skips_the_same_calls_and_the_saves_restore(tmp_path):
     model = _model(1)
     assert Checkpointer(tmp_path).restore(model=model).step == 31
     assert torch.equal(model[0].bias, biases[-1])
+
+
+def test_a_new_world_meets_at_its_first_call():
+    """After lockstep.Survivors changes the world a joining rank knows no agreed step: forget()
+    makes every rank meet at the next call (tests/test_survivors.py runs it with a kill)."""
+    clock = _Clock()
+    budget = SaveBudget(0.01, clock)
+    token = object()
+    budget.taken(token, 0.01)
+    budget.written(token, 0.0)
+    budget.propose(10)
+    budget.agree([1000])
+    assert budget.passes_over(11)
+    budget.forget()
+    assert not budget.passes_over(11) and budget.cost() == pytest.approx(0.01)
+    assert budget.propose(11) == 12  # the pace is measured afresh

@@ -16,7 +16,9 @@ collective: too much to pay every step when most calls are skipped. So the pace 
 steps, not seconds: at each call where the ranks meet, each proposes the first step at which
 the next save keeps within the share (the expected cost over the share, divided by the
 seconds per step measured since the last such call), and the latest proposal holds on every
-rank. Calls before that step return at once, without meeting.
+rank. Calls before that step return at once, without meeting. When the world changes
+(``lockstep.Survivors``), every rank meets at its next call again: a rank that joined knows no
+agreed step.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class SaveBudget:
         self._newest: tuple[object, float] | None = None  # (token, training-thread seconds)
         self._met: tuple[float, int] | None = None  # (time, step) of the last meeting
         self.next_step: int | None = None  # the first step whose save the ranks meet for
+
+    def forget(self) -> None:
+        """Meet at the next call (the pace is measured afresh; the costs are kept): the world
+        changed, and a rank that joined it knows no agreed step."""
+        self._met, self.next_step = None, None
 
     def now(self) -> float:
         return self._clock()

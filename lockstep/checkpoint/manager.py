@@ -193,6 +193,7 @@ class Checkpointer:
                 )
             self._budget = SaveBudget(check_share(max_overhead))
         self.max_overhead = self._budget.share if self._budget is not None else None
+        self._paced_in: Any = None  # the group whose ranks agreed on the budget's next step
         # Whether the last save() call was skipped (when_busy="skip" or max_overhead).
         self.last_skipped = False
         self.when_busy = when_busy
@@ -408,6 +409,9 @@ class Checkpointer:
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True, False or None, got {blocking!r}")
         budget = self._budget
+        if budget is not None and self._group() is not self._paced_in:
+            budget.forget()  # a new world (lockstep.Survivors): its members meet afresh
+            self._paced_in = self._group()
         if budget is not None and not blocking and budget.passes_over(step):
             self.last_skipped = True  # too soon for max_overhead: every rank agreed so before
             return self.directory / dir_name(step)

@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--ckpt", help="a Checkpointer's directory: save inside the step")
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--blocking", action="store_true", help="blocking saves")
+    parser.add_argument("--max-overhead", type=float, default=None,
+                        help="Checkpointer(max_overhead=...): saves paced (the last one blocking)")
     parser.add_argument("--lose-machine", metavar="NODE:STEP", help="take a machine down")
     parser.add_argument("--silent", action="store_true", help="SIGSTOP the machine, not SIGKILL")
     args = parser.parse_args()
@@ -93,7 +95,8 @@ def main() -> None:
     replacement = os.environ.get("LOCKSTEP_SURVIVOR_JOIN") == "1"
     sampler = lockstep.DistributedSampler(Indexed(), shuffle=True, seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
-    ckpt = lockstep.Checkpointer(args.ckpt, blocking=args.blocking) if args.ckpt else None
+    ckpt = (lockstep.Checkpointer(args.ckpt, blocking=args.blocking, max_overhead=args.max_overhead)
+            if args.ckpt else None)
     log = (Path(args.log_dir) / f"slot{slot}-{os.getpid()}.txt").open("w", buffering=1)
     for indices, x in team.batches(loader, epochs=1000):
         if team.completed >= args.steps:
@@ -105,7 +108,9 @@ def main() -> None:
                 os.killpg(os.getpgid(0), signal.SIGSTOP if args.silent else signal.SIGKILL)
             train_on(model, optimizer, x)
             if ckpt is not None and (team.completed + 1) % args.save_every == 0:
-                ckpt.save(team.completed + 1, model=model, optimizer=optimizer)
+                last = args.max_overhead is not None and team.completed + 1 == args.steps
+                ckpt.save(team.completed + 1, model=model, optimizer=optimizer,
+                          blocking=True if last else None)
             print(team.completed, sampler.epoch, slot, *indices.tolist(), file=log)
             # Slow while the world is short: room for the replacement to start before the end.
             time.sleep(args.sleep if team.world_size == team.slots else 0.5)
