@@ -10,7 +10,8 @@ Modes: ``torchrun`` (torch's DDP, ``torch.save`` by rank 0, ``torchrun --max-res
 usual recipe), ``lockstep`` (``lockstep run --max-restarts``, blocking ``Checkpointer``) and
 ``lockstep-async`` (the same with asynchronous saves, the default), ``lockstep-memory``
 (asynchronous, ``Checkpointer(memory=True)``: restores read ``/dev/shm``) and
-``lockstep-memory-every-step`` (the same, saving every step), ``lockstep-survivors``
+``lockstep-memory-every-step`` (the same, saving every step), ``lockstep-memory-paced`` (the
+same calls, paced to 5% of the time by ``Checkpointer(max_overhead=0.05)``), ``lockstep-survivors``
 (``lockstep run --survivors``, ``lockstep.Survivors``, no checkpoint: the survivors go on in a
 smaller world, a replacement joins with a peer's state); ``lockstep-async-no-fork`` and
 ``lockstep-memory-no-fork`` are the two restarting modes with ``lockstep run --no-fork`` (every
@@ -75,12 +76,15 @@ MODES: dict[str, tuple[str, int | None]] = {
     "lockstep-async": ("lockstep-async", None),
     "lockstep-memory": ("lockstep-memory", None),
     "lockstep-memory-every-step": ("lockstep-memory", 1),
+    "lockstep-memory-paced": ("lockstep-memory", 1),  # with max_overhead (PACED)
     "lockstep-survivors": ("lockstep-survivors", None),
     # The restarting modes with every worker a new interpreter (``lockstep run --no-fork``),
     # as before restarted workers were forked from a server that has torch imported.
     "lockstep-async-no-fork": ("lockstep-async", None),
     "lockstep-memory-no-fork": ("lockstep-memory", None),
 }
+# Modes whose saves are paced to a share of the time (Checkpointer's max_overhead).
+PACED = {"lockstep-memory-paced": 0.05}
 # The split's parts: (name, the event that ends it, in the replacement processes).
 PARTS = [("detection+restart", "spawn"), ("import", "imported"), ("rendezvous", "initialised"),
          ("model", "built"), ("restore", "restored"), ("first step", "step")]
@@ -178,6 +182,8 @@ def launch(mode: str, world: int, work: Path, deadline: float, every: int,
     command = [*runner, "--max-restarts", "1000", "--nproc-per-node", str(world), str(TRAIN),
                "--mode", MODES[mode][0], "--work", str(work), "--deadline", str(deadline),
                "--every", str(MODES[mode][1] or every)]
+    if mode in PACED:
+        command += ["--max-overhead", str(PACED[mode])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (work / "log.txt").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -14,7 +14,9 @@ same step), saving every ``--every`` steps and resuming from the newest checkpoi
   steps of the world size, in units of one rank's batch), since degraded steps train on fewer.
 
 With ``--every 1`` the lockstep modes pass ``when_busy="skip"``: a save that finds the previous
-one still being written is skipped, so the loop saves as often as the disk allows.
+one still being written is skipped, so the loop saves as often as the disk allows; with
+``--max-overhead S`` too, saves are paced to that share of the time (``Checkpointer``'s
+``max_overhead``).
 
 Each rank writes its pid to ``pid-rank<r>`` so the benchmark can kill it; rank 0 writes the
 step reached to ``steps`` at the deadline.
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--deadline", type=float, required=True, help="time.time() to stop at")
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--max-overhead", type=float, default=None,
+                        help="Checkpointer(max_overhead=...) (asynchronous lockstep modes)")
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
     work = Path(args.work)
@@ -141,7 +145,8 @@ def main() -> None:
     else:
         ckpt = lockstep.Checkpointer(work / "ckpt", keep=2, blocking=args.mode == "lockstep",
                                      memory=args.mode == "lockstep-memory",
-                                     when_busy="skip" if args.every == 1 else "wait")
+                                     when_busy="skip" if args.every == 1 else "wait",
+                                     max_overhead=args.max_overhead)
         resumed = ckpt.restore(model=model, optimizer=optimizer)
         step = resumed.step if resumed else 0
     events("restored", step=step)
