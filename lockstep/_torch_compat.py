@@ -29,6 +29,7 @@ __all__ = [
     "RendezvousInternals",
     "TorchCompatError",
     "WorkersStoreOverride",
+    "copy_tensors",
     "current_graph_task_id",
     "default_store",
     "flatten_dense_tensors",
@@ -107,6 +108,22 @@ def tensor_version(tensor: torch.Tensor) -> int:
     except AttributeError as err:
         raise _missing("Tensor._version", "check that a checkpoint's copy of a tensor is "
                        "consistent", err) from err
+
+
+def copy_tensors(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+                 non_blocking: bool = False) -> None:
+    """``buffer.copy_(source, non_blocking)`` for each pair, in one call (``torch._foreach_copy_``).
+
+    A checkpoint's snapshot copies a few hundred tensors per save on threads that share the GIL
+    with training: one call instead of one per tensor (issue #24). Falls back to the loop where
+    torch has no ``_foreach_copy_``.
+    """
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:
+        for buffer, source in zip(buffers, sources):
+            buffer.copy_(source, non_blocking=non_blocking)
+        return
+    foreach(list(buffers), list(sources), non_blocking=non_blocking)
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

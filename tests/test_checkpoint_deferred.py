@@ -22,7 +22,7 @@ import lockstep
 from lockstep.checkpoint import Checkpointer, CheckpointError
 from lockstep.checkpoint import deferred as ckpt_deferred
 from lockstep.checkpoint import io as ckpt_io
-from lockstep.checkpoint.deferred import CopyPieces, DeferredCopy, split, stepped_storages
+from lockstep.checkpoint.deferred import CopyPieces, DeferredCopy, pieces, split, stepped_storages
 from lockstep.checkpoint.snapshot import Snapshot
 
 torch.optim.Adam(nn.Linear(1, 1).parameters())  # see test_checkpoint.py: TORCHINDUCTOR_CACHE_DIR
@@ -260,6 +260,18 @@ def test_check_alone_completes_the_copy_in_pieces(monkeypatch):
     assert all(torch.equal(source, buffer) for _, source, buffer in jobs)
 
 
+def test_small_tensors_are_copied_together_and_large_ones_in_chunks():
+    pairs = [(torch.randn(4), torch.empty(4)) for _ in range(10)]  # 16 bytes each
+    pairs.append((torch.randn(40), torch.empty(40)))  # 160 bytes: its own chunks of 64
+    pairs.append((torch.randn(2), torch.empty(2)))
+    parts = pieces(pairs, 64)
+    assert [len(sources) for sources, _ in parts] == [4, 4, 2, 1, 1, 1, 1]
+    assert [sources[0].numel() for sources, _ in parts[3:]] == [16, 16, 8, 2]
+    copier = CopyPieces(parts)
+    copier.work()
+    assert copier.failure is None and all(torch.equal(s, b) for s, b in pairs)
+
+
 def test_the_waiter_copies_the_rest_then_waits_for_the_piece_in_flight(monkeypatch):
     monkeypatch.setattr(ckpt_deferred, "_CHUNK_BYTES", 64)
     source = torch.randn(64)  # four pieces of 16 floats
@@ -305,18 +317,18 @@ def test_a_failed_copy_on_the_waiter_is_raised_by_the_writing_thread():
 def test_a_piece_left_unfinished_is_copied_by_the_next_waiter(monkeypatch):
     sources = [torch.randn(5) for _ in range(3)]
     buffers = [torch.empty(5) for _ in range(3)]
-    pieces = CopyPieces(list(zip(sources, buffers)))
+    pieces = CopyPieces([([s], [b]) for s, b in zip(sources, buffers)])
     assert pieces._claim() == 0  # a frame a signal handler interrupted after claiming piece 0
-    real = torch.Tensor.copy_
+    real = ckpt_deferred.copy_tensors
     calls = []
 
-    def interrupted(self: torch.Tensor, src: torch.Tensor, *args: Any) -> torch.Tensor:
+    def interrupted(into: list[torch.Tensor], out_of: list[torch.Tensor], *args: Any) -> None:
         calls.append(1)
         if len(calls) == 1:
             raise KeyboardInterrupt  # the copy of piece 1
-        return real(self, src, *args)
+        real(into, out_of, *args)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    monkeypatch.setattr(ckpt_deferred, "copy_tensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pieces.work()
     pieces.work()  # copies pieces 2, 0 (its own) and 1 (orphaned)

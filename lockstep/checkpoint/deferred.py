@@ -21,10 +21,12 @@ rank, the previous checkpoint stays the newest). Until that check passed, the wr
 may write the staging directory but does not publish it. If that thread outlives the one that
 saved (a script that returns right after ``save()``), it checks the counters itself.
 
-The CPU copies are split into pieces (one per tensor, a large tensor in chunks of
-``_CHUNK_BYTES``) that any thread claims, one at a time, under a lock (:class:`CopyPieces`): the
-writing thread claims them first, and a thread that must wait for the copy (the step, the next
-checkpoint call) claims the rest instead of idling, then waits only for the pieces in flight.
+The CPU copies are split into pieces (small tensors together up to ``_CHUNK_BYTES``, each
+copied by one call; a larger tensor in chunks of that size) that any thread claims, one at a
+time, under a lock (:class:`CopyPieces`): the writing thread claims them first, and a thread
+that must wait for the copy (the step, the next checkpoint call) claims the rest instead of
+idling, then waits only for the pieces in flight. A model of a few hundred small tensors is a
+few pieces, not a few hundred: each piece costs both threads Python under the GIL.
 
 Writes that autograd does not count (through ``tensor.data``, NumPy views) cannot be seen: code
 that writes parameters that way must call ``wait()`` first, or save with ``defer_copy=False``.
@@ -38,13 +40,14 @@ from typing import Any
 
 import torch
 
-from lockstep._torch_compat import tensor_version
+from lockstep._torch_compat import copy_tensors, tensor_version
 
-__all__ = ["CopyPieces", "DeferredCopy", "split", "stepped_storages", "stepping_optimizers"]
+__all__ = ["CopyPieces", "DeferredCopy", "pieces", "split", "stepped_storages", "stepping_optimizers"]
 
 _POLL_S = 0.02  # how often the writing thread looks whether the thread that saved is alive
-# A larger tensor is copied in pieces of this size, so that two threads can share its copy.
-_CHUNK_BYTES = 8 * 2**20
+# A larger tensor is copied in pieces of this size, and smaller ones together up to it, so that
+# two threads can share the copy.
+_CHUNK_BYTES = 2 * 2**20
 _ORPHAN = -1  # the owner of a piece whose copy was interrupted: any waiting thread copies it
 
 
@@ -93,8 +96,37 @@ def split(source: torch.Tensor, buffer: torch.Tensor,
             for i in range(0, flat_buffer.numel(), numel)]
 
 
+Piece = tuple[list[torch.Tensor], list[torch.Tensor]]  # sources, buffers: copied by one call
+
+
+def pieces(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+           chunk_bytes: int | None = None) -> list[Piece]:
+    """``(source, buffer)`` pairs as pieces of about ``chunk_bytes`` (default ``_CHUNK_BYTES``):
+    consecutive smaller tensors together, a larger one :func:`split` into its own pieces."""
+    limit = chunk_bytes or _CHUNK_BYTES
+    out: list[Piece] = []
+    sources: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    held = 0
+    for source, buffer in pairs:
+        size = buffer.numel() * buffer.element_size()
+        if size >= limit or held + size > limit:
+            if sources:
+                out.append((sources, buffers))
+            sources, buffers, held = [], [], 0
+        if size >= limit:
+            out.extend(([part], [into]) for part, into in split(source, buffer, limit))
+            continue
+        sources.append(source)
+        buffers.append(buffer)
+        held += size
+    if sources:
+        out.append((sources, buffers))
+    return out
+
+
 class CopyPieces:
-    """CPU copies ``(source, buffer)`` that any thread may claim, one piece at a time.
+    """CPU copies (:func:`pieces`) that any thread may claim, one piece at a time.
 
     :meth:`work` claims and copies pieces until none is left, then waits for those that other
     threads are copying: the writing thread calls it, and so does a thread that must wait for the
@@ -103,10 +135,10 @@ class CopyPieces:
     on the thread that was copying it, a ``KeyboardInterrupt``) is copied again by a waiter.
     """
 
-    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._pieces = pieces
-        self._owners: list[int | None] = [None] * len(pieces)  # thread that claimed each piece
-        self._done = [False] * len(pieces)
+    def __init__(self, parts: list[Piece]) -> None:
+        self._pieces = parts
+        self._owners: list[int | None] = [None] * len(parts)  # thread that claimed each piece
+        self._done = [False] * len(parts)
         self._next = 0  # the first piece not claimed yet
         self._cond = threading.Condition(threading.RLock())  # a signal handler may re-enter
         self.failure: Exception | None = None  # the first copy that raised
@@ -139,9 +171,9 @@ class CopyPieces:
             return index
 
     def _copy(self, index: int) -> None:
-        source, buffer = self._pieces[index]
+        sources, buffers = self._pieces[index]
         try:
-            buffer.copy_(source)  # releases the GIL: the other threads copy meanwhile
+            copy_tensors(buffers, sources)  # releases the GIL: the other threads copy meanwhile
         except Exception as exc:  # noqa: BLE001 - raised on the writing thread (DeferredCopy.run)
             with self._cond:
                 self.failure = self.failure or exc
@@ -167,9 +199,8 @@ class DeferredCopy:
     def __init__(self, jobs: list[tuple[str, torch.Tensor, torch.Tensor]], events: list[Any],
                  step: int | None = None) -> None:
         self._jobs = jobs
-        self._pieces = CopyPieces([piece for _, source, buffer in jobs
-                                   if source.device.type != "cuda"
-                                   for piece in split(source, buffer)])
+        self._pieces = CopyPieces(pieces((source, buffer) for _, source, buffer in jobs
+                                         if source.device.type != "cuda"))
         self.nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in jobs)  # copied later
         self._versions = [tensor_version(source) for _, source, _ in jobs]
         self._events = events

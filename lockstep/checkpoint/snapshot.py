@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lockstep._torch_compat import copy_tensors
 from lockstep.checkpoint.deferred import DeferredCopy, storage_key
 from lockstep.checkpoint.io import SCALARS
 
@@ -39,12 +40,13 @@ class _Misfit(Exception):
 class _Walk:
     """What one :meth:`Snapshot.take` gathers while it walks the containers."""
 
-    __slots__ = ("defer", "later", "now", "used")
+    __slots__ = ("defer", "here", "later", "now", "used")
 
     def __init__(self, defer: Collection[tuple[torch.device, int]]) -> None:
         self.defer = defer
         self.used: dict[str, torch.Tensor] = {}  # path -> the buffer this save copies into
         self.now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA copies save() waits for
+        self.here: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # CPU: sources, buffers
         self.later: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # DeferredCopy's
 
 
@@ -90,6 +92,7 @@ class Snapshot:
         if not fits:  # new tensors, other shapes, or some gone: lay out, copy everything again
             self._lay_out(files)  # (outside the handler, whose traceback holds the old buffers)
             out, walk = self._walk(files, defer)
+        copy_tensors(walk.here[1], walk.here[0])  # the CPU copies that cannot wait, in one call
         streams = self._queue(walk.now)
         for stream in streams:
             stream.synchronize()  # the copy exists before the loop may change the originals
@@ -143,8 +146,8 @@ class Snapshot:
         for device, pairs in by_device.items():
             stream = self._side_stream(device)
             with torch.cuda.stream(stream):
-                for source, buffer in pairs:
-                    buffer.copy_(source, non_blocking=True)
+                copy_tensors([buffer for _, buffer in pairs], [source for source, _ in pairs],
+                             non_blocking=True)
             streams.append(stream)
         return streams
 
@@ -164,7 +167,8 @@ class Snapshot:
         return obj
 
     def _copy_tensor(self, tensor: torch.Tensor, path: str, walk: _Walk) -> torch.Tensor:
-        tensor = tensor.detach()
+        if tensor.requires_grad:  # (a state dict's tensors are detached already)
+            tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             raise _Misfit(path)
@@ -174,7 +178,8 @@ class Snapshot:
         elif tensor.device.type == "cuda":
             walk.now.append((tensor, buffer))  # queued together once the walk is done
         else:
-            buffer.copy_(tensor)
+            walk.here[0].append(tensor)
+            walk.here[1].append(buffer)
         return buffer
 
     def _side_stream(self, device: torch.device) -> Any:
