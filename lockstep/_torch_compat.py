@@ -115,11 +115,13 @@ def copy_tensors(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
     """``buffer.copy_(source, non_blocking)`` for each pair, in one call (``torch._foreach_copy_``).
 
     A checkpoint's snapshot copies a few hundred tensors per save on threads that share the GIL
-    with training: one call instead of one per tensor (issue #24). Falls back to the loop where
-    torch has no ``_foreach_copy_``.
+    with training: one call instead of one per tensor (issue #24). Only where every tensor is
+    on the CPU: between devices torch's foreach kernels take a per-tensor path of their own, not
+    checked here without a GPU, so the loop (as before) is kept for them, and where torch has no
+    ``_foreach_copy_``.
     """
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is None:
+    if foreach is None or not all(t.is_cpu for t in (*buffers, *sources)):
         for buffer, source in zip(buffers, sources):
             buffer.copy_(source, non_blocking=non_blocking)
         return

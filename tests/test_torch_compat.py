@@ -72,6 +72,18 @@ def test_flatten_and_unflatten_round_trip():
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+def test_copy_tensors_copies_every_pair(monkeypatch, foreach):
+    if foreach:
+        assert hasattr(torch, "_foreach_copy_")  # the one-call path exists on this torch
+    else:
+        monkeypatch.delattr(torch, "_foreach_copy_")  # an older torch: the loop
+    sources = [torch.randn(3, 4).t(), torch.arange(5), torch.tensor(2.5), torch.empty(0)]
+    buffers = [torch.empty(4, 3), torch.empty(5, dtype=torch.int64), torch.empty(()), torch.empty(0)]
+    compat.copy_tensors(buffers, sources)
+    assert all(torch.equal(b, s) for b, s in zip(buffers, sources))
+
+
 def test_refresh_rnn_flat_weights_points_at_the_clone_parameters():
     lstm = nn.LSTM(3, 4)
     clone = copy.copy(lstm)

@@ -146,8 +146,8 @@ class Snapshot:
         for device, pairs in by_device.items():
             stream = self._side_stream(device)
             with torch.cuda.stream(stream):
-                copy_tensors([buffer for _, buffer in pairs], [source for source, _ in pairs],
-                             non_blocking=True)
+                for source, buffer in pairs:
+                    buffer.copy_(source, non_blocking=True)
             streams.append(stream)
         return streams
 
