@@ -10,21 +10,25 @@ communication, global-norm clipping, ``reshard_after_forward=False`` and mixed p
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import lockstep
 from lockstep.fsdp import (
     MixedPrecisionPolicy,
+    ModelState,
     clip_grad_norm_,
     full_state_dict,
     no_sync,
+    set_reshard_after_forward,
 )
 from lockstep.fsdp.api import mesh_groups
 from lockstep.fsdp.unit import FSDPUnit, get_unit
@@ -280,6 +284,64 @@ def test_deepcopy_is_a_clear_error_not_a_crash():
     assert "full_state_dict" in done.stdout
 
 
+def test_reshard_after_forward_as_an_int_reads_as_torch_reads_it():
+    model = _shard(_model(), reshard_after_forward=1)  # 1: keep gathered, as torch's 1 (world 1 here)
+    assert not _unit(model).reshard_after_forward
+    with pytest.raises(ValueError, match="factor of the shard group's 1 ranks"):
+        lockstep.fully_shard(_model(), reshard_after_forward=2)
+    with pytest.raises(ValueError, match="a bool or an int"):
+        lockstep.fully_shard(_model(), reshard_after_forward="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="True or False"):
+        set_reshard_after_forward(model, 1)  # type: ignore[arg-type]
+
+
+def test_parameters_converted_or_replaced_after_fully_shard_are_named():
+    x = _batches(1)[0][0]
+    converted = _shard(_model()).to(torch.float32)  # torch's FSDP would train in float32
+    with pytest.raises(RuntimeError, match="'embed.weight' of TinyGPT was converted to torch.float32"):
+        converted(x)
+    with torch.device("meta"):
+        meta = _shard(TinyGPT().double())
+    meta.to_empty(device="cpu")  # torch's meta-device initialisation
+    with pytest.raises(RuntimeError, match="was replaced after fully_shard .sharded as torch.float64 on meta"):
+        meta(x)
+    with pytest.raises(RuntimeError, match="was replaced after fully_shard"):
+        ModelState(meta).load_state_dict(_model().state_dict())  # not a misleading shape error
+
+
+def unlaunched_worker(rank: int) -> dict:
+    """fully_shard in a launched process without a process group: torch's makes the default one
+    from the environment, and so does lockstep's; a model sharded as a world of one (no
+    launcher's environment yet) is refused at its forward once the group is larger."""
+    assert not dist.is_initialized()
+    launch = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE")}
+    early = _shard(_model())  # as plain `python`: a world of one
+    os.environ.update(launch)
+    ref, model = _model(), _shard(_model())
+    out: dict = {"made": dist.is_initialized() and dist.get_world_size() == 2}
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    for x, y in _batches(2):
+        ref_opt.zero_grad()
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _loss(model, _mine(x, rank, 2), _mine(y, rank, 2)).backward()
+        opt.step()
+    out["diff"] = _diff(model, ref)
+    with pytest.raises(RuntimeError) as caught:
+        early(_batches(1)[0][0])
+    out["early"] = str(caught.value)
+    return out
+
+
+@pytest.mark.multirank
+def test_fully_shard_makes_the_default_group_from_the_launch_environment():
+    for out in lockstep.spawn(unlaunched_worker, 2, timeout=120):
+        assert out["made"] and out["diff"] < TOL
+        assert "was sharded across 1 rank(s) but its group now has 2" in out["early"]
+        assert "before the process group existed" in out["early"]
+
+
 # -- the checks, each against a single-process reference --------------------------------------
 
 
@@ -395,10 +457,66 @@ def _check_without_tensor_collectives(rank: int, size: int, out: dict) -> None:
             setattr(dist, n, fn)
 
 
+def _check_freeze_after_shard(rank: int, size: int, out: dict) -> None:
+    """requires_grad changed between steps after fully_shard (a block frozen, then unfrozen,
+    then another frozen), as torch's FSDP allows: the same as the reference doing the same."""
+    ref, model = _model(), _model()
+    _shard(model)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    plan = [("blocks.0", False), ("blocks.0", True), ("blocks.1.up", False)]
+    got = []
+    for (x, y), (where, flag) in zip(_batches(len(plan)), plan):
+        for m in (ref, model):
+            m.get_submodule(where).requires_grad_(flag)
+        ref_opt.zero_grad()
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+        opt.step()
+        got.append(sorted(n for n, p in model.named_parameters() if p.grad is not None)
+                   == sorted(n for n, p in ref.named_parameters() if p.grad is not None))
+    out["freeze_after_shard"] = _diff(model, ref)
+    out["freeze_after_shard_grads"] = all(got)
+
+
+class _Recomputed(nn.Module):
+    """Runs ``inner`` under activation checkpointing that recomputes the whole block, forward
+    hooks included (early stop off): the unit's hooks run again inside backward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(self.inner, h, use_reentrant=False)
+
+
+def _check_recomputed_blocks(rank: int, size: int, out: dict) -> None:
+    ref, model = _model(), _model()
+    model.blocks = nn.ModuleList([_Recomputed(block) for block in model.blocks])
+    for block in model.blocks:
+        lockstep.fully_shard(block.inner)
+    lockstep.fully_shard(model)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    for x, y in _batches(STEPS):
+        ref_opt.zero_grad()
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+        opt.step()
+    ref.blocks = nn.ModuleList([_Recomputed(block) for block in ref.blocks])  # the same names
+    out["recomputed"] = _diff(model, ref)
+
+
 def fsdp_worker(rank: int) -> dict:
     lockstep.init_distributed()
     size = dist.get_world_size()
     out: dict = {}
+    _check_freeze_after_shard(rank, size, out)
+    _check_recomputed_blocks(rank, size, out)
     _check_adamw(rank, size, out, "adamw")
     _check_adamw(rank, size, out, "adamw_frozen", freeze=True)
     _check_adamw(rank, size, out, "adamw_keep", reshard_after_forward=False)
@@ -413,12 +531,14 @@ def fsdp_worker(rank: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_equivalence_with_one_process(world):
     for out in lockstep.spawn(fsdp_worker, world, timeout=120):
-        for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync"):
+        for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync",
+                    "freeze_after_shard", "recomputed"):
             assert out[key] < TOL, (key, out[key])
         assert out["clip"] < TOL, out["clip"]
         # both blocks' reduce-scatters were in flight while backward went on (overlap)
         assert out["adamw_in_flight"] == 2, out["adamw_in_flight"]
         assert out["frozen_grad_is_none"] and out["no_sync_no_grad"] and out["clip_clipped"]
+        assert out["freeze_after_shard_grads"]
         assert out["clip_norm"] < TOL
         # bf16 compute: same roundings as the reference; fp32 sums in another order.
         assert out["mp"] < 1e-4 < out["mp_vs_fp32"], (out["mp"], out["mp_vs_fp32"])

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.env import default_backend, detect_process_info
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -124,7 +125,7 @@ def fully_shard(
     module: nn.Module,
     *,
     group: Group = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across ``group``: each rank keeps 1/N of each, flat and padded.
@@ -139,6 +140,8 @@ def fully_shard(
             (replicate, shard) or a pair ``(replicate_group, shard_group)`` for hybrid sharding.
         reshard_after_forward: free the gathered parameters after forward (gather again for
             backward); ``False`` keeps them until the end of backward (less traffic, more memory).
+            An int as torch's: ``1`` is ``False``; a factor of the group's size is ``True``
+            (torch reshards to groups of that many ranks; here to the whole group).
         mp_policy: the :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
 
     Returns:
@@ -146,8 +149,11 @@ def fully_shard(
 
     Raises:
         ValueError: a container without forward (``nn.ModuleList``), already sharded, a parameter shared with another unit, parameters on
-            different devices or of different dtypes, a hybrid layout that does not fit the world.
-        RuntimeError: a sharded submodule already ran forward before the root was sharded.
+            different devices or of different dtypes, a hybrid layout that does not fit the world,
+            an int ``reshard_after_forward`` that does not divide the group's size.
+        RuntimeError: a sharded submodule already ran forward before the root was sharded; no
+            process group in a process SLURM started as one of several (under ``torchrun`` or
+            ``lockstep run`` the default group is made here from the environment, as torch does).
     """
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
         raise ValueError(
@@ -157,14 +163,52 @@ def fully_shard(
     policy = mp_policy or MixedPrecisionPolicy()
     params = _collect(module)
     _check(module, params)
+    if not dist.is_initialized():
+        _init_from_launch(params[0][1].device if params else torch.device("cpu"))
     shard_group, replicate_group = _groups(group)
     initialized = dist.is_initialized()
     rank = dist.get_rank(shard_group) if initialized else 0
     size = dist.get_world_size(shard_group) if initialized else 1
+    after_forward = _reshard_flag(reshard_after_forward, size)
     own = params[0][1].dtype if params else torch.get_default_dtype()
     flat = FlatShard(params, rank, size, policy.compute_dtype(own))
-    FSDPUnit(module, flat, shard_group, replicate_group, reshard_after_forward, policy)
+    FSDPUnit(module, flat, shard_group, replicate_group, after_forward, policy)
     return module
+
+
+def _init_from_launch(device: torch.device) -> None:
+    """A process started as one of several (``WORLD_SIZE`` > 1) without a process group yet:
+    make the default one from the launcher's environment, as torch's ``fully_shard`` does
+    (sharding as a world of one would leave each rank with a model of its own)."""
+    try:
+        info = detect_process_info()
+    except ValueError:
+        return  # no launcher's environment to build a group from: a world of one
+    if info.world_size == 1:
+        return
+    if info.source != "torchrun":  # torch's env:// needs RANK and WORLD_SIZE
+        raise RuntimeError(
+            f"fully_shard: this process is rank {info.rank} of {info.world_size} ({info.source}) "
+            "but no process group exists; call lockstep.init_distributed() (or "
+            "torch.distributed.init_process_group) before fully_shard"
+        )
+    dist.init_process_group(backend=default_backend(device))
+
+
+def _reshard_flag(value: bool | int, size: int) -> bool:
+    """``reshard_after_forward`` as a flag; an int as torch reads it (1: keep the gathered
+    parameters; a factor of the shard group's size: reshard, here to the whole group)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool or an int, got {value!r}")  # noqa: TRY004 (as torch)
+    if value < 1 or size % value:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={value} as an int must be a factor of the shard "
+            f"group's {size} ranks (1: keep the parameters gathered after forward, {size}: "
+            "reshard); pass True or False"
+        )
+    return value > 1
 
 
 def _units(module: nn.Module) -> list[FSDPUnit]:
@@ -212,8 +256,10 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool, 
 
 def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool, *, recurse: bool = True) -> None:
     """Change ``fully_shard``'s ``reshard_after_forward`` of the units under ``module`` (torch's name)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"set_reshard_after_forward: expected True or False, got {reshard_after_forward!r}")
     for unit in _selected(module, recurse, "set_reshard_after_forward"):
-        unit.reshard_after_forward = bool(reshard_after_forward)
+        unit.reshard_after_forward = reshard_after_forward
 
 
 class UnshardHandle:

@@ -86,6 +86,7 @@ def _layout(model: nn.Module, group: Any = None) -> dict[str, _Entry]:
     for module in model.modules():
         unit = get_unit(module)
         if unit is not None:
+            unit.flat.check_unchanged(type(module).__name__)
             for slot in unit.flat.slots:
                 slots[id(slot.shard)] = (slot, unit)
     entries = {}

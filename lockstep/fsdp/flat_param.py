@@ -56,7 +56,7 @@ class FlatShard:
         self.slots: list[ParamSlot] = []
         # The parameters this unit replaced, weakly (they must be freed), compared by identity.
         self._originals: dict[int, weakref.ref[torch.Tensor]] = {}
-        offset = grad_offset = 0
+        offset = 0
         for fqn, param, uses in params:
             self._originals[id(param)] = weakref.ref(param)
             numel = param.numel()
@@ -67,16 +67,15 @@ class FlatShard:
             full = nn.Parameter(torch.empty(param.shape, dtype=compute_dtype, device=param.device),
                                 requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
-            slot = ParamSlot(fqn, uses, param.shape, numel, chunk, offset, shard, full)
-            if param.requires_grad:
-                slot.grad_offset = grad_offset
-                grad_offset += chunk
+            self.slots.append(ParamSlot(fqn, uses, param.shape, numel, chunk, offset, shard, full))
             offset += chunk
-            self.slots.append(slot)
         self.shard_numel = offset  # elements of this rank's flat shard
-        self.grad_numel = grad_offset
+        self.grad_numel = 0
+        self._sent: list[ParamSlot] = []  # the trainable slots of the last grad_send, in order
+        self.sync_trainable()
         self._complete = True  # whether the last grad_send had every trainable gradient
         self.device = params[0][1].device if params else torch.device("cpu")
+        self.shard_dtype = params[0][1].dtype if params else compute_dtype
         self.use_shards()
 
     def replaced(self, param: torch.Tensor) -> bool:
@@ -91,6 +90,44 @@ class FlatShard:
     @property
     def trainable(self) -> list[ParamSlot]:
         return [s for s in self.slots if s.shard.requires_grad]
+
+    def sync_trainable(self) -> list[ParamSlot]:
+        """Follow ``requires_grad`` set on the shards since the last call (a layer frozen or
+        unfrozen after ``fully_shard``, as torch's FSDP allows): the full tensors get the same
+        flag and the gradient layout is laid out again. Returns the trainable slots."""
+        trainable = self.trainable
+        grad_offset = 0
+        for slot in self.slots:
+            wanted = slot.shard.requires_grad
+            if slot.full.requires_grad != wanted:
+                slot.full.requires_grad_(wanted)
+            slot.grad_offset = grad_offset if wanted else -1
+            grad_offset += slot.chunk if wanted else 0
+            if not wanted:
+                slot.unsharded_grad = None  # frozen meanwhile: no gradient of its to reduce
+        self.grad_numel = grad_offset
+        return trainable
+
+    def check_unchanged(self, owner: str) -> None:
+        """Raise if a parameter was replaced or converted since ``fully_shard`` (``model.to()``,
+        ``to_empty()``, a new ``nn.Parameter`` assigned): the shards, their dtype and device are
+        fixed when the unit is made, so the unit would gather stale shards or fail in forward."""
+        for slot in self.slots:
+            for module, name in slot.uses:
+                held = module._parameters.get(name)
+                if held is not slot.shard and held is not slot.full:
+                    change = "replaced"
+                elif slot.shard.dtype != self.shard_dtype or slot.shard.device != self.device:
+                    change = f"converted to {slot.shard.dtype} on {slot.shard.device}"
+                else:
+                    continue
+                raise RuntimeError(
+                    f"fully_shard: parameter '{slot.fqn}' of {owner} was {change} after "
+                    f"fully_shard (sharded as {self.shard_dtype} on {self.device}): model.to(), "
+                    "to_empty() or assigning a new nn.Parameter after fully_shard is not "
+                    "supported. Move the model to its device and dtype, and initialise it, "
+                    "before fully_shard (docs/fsdp.md, Differences from torch's fully_shard)"
+                )
 
     # -- which tensor the modules see ------------------------------------------------------------
 
@@ -147,8 +184,9 @@ class FlatShard:
 
     @property
     def reduce_numel(self) -> int:
-        """Elements of each rank's reduced row: its gradient chunks, then one flag per gradient."""
-        return self.grad_numel + len(self.trainable)
+        """Elements of each rank's reduced row of the last :meth:`grad_send`: its gradient
+        chunks, then one flag per gradient."""
+        return self.grad_numel + len(self._sent)
 
     def grad_send(self, dtype: torch.dtype) -> torch.Tensor:
         """The reduce-scatter input: each rank's row holds its chunk of every gradient, ÷ N.
@@ -159,7 +197,7 @@ class FlatShard:
         gradient: summed by the same reduce-scatter, they tell every rank which parameters got a
         gradient anywhere, so that one used by no rank keeps ``.grad = None``, as in torch.
         """
-        trainable = self.trainable
+        trainable = self._sent = self.sync_trainable()
         send = torch.zeros(self.size, self.reduce_numel, dtype=dtype, device=self.device)
         self._complete = True  # every gradient produced here: no flag needs reading back
         for i, slot in enumerate(trainable):
@@ -184,8 +222,9 @@ class FlatShard:
         """
         # Reading the flags waits for the device; when this rank produced every gradient, every
         # flag is set and the read is skipped.
-        got = [True] * len(self.trainable) if self._complete else (reduced[self.grad_numel :] != 0).tolist()
-        for slot, produced in zip(self.trainable, got):
+        sent = self._sent  # the layout the reduction was sent in
+        got = [True] * len(sent) if self._complete else (reduced[self.grad_numel :] != 0).tolist()
+        for slot, produced in zip(sent, got):
             if not produced:
                 continue
             piece = reduced[slot.grad_offset : slot.grad_offset + slot.chunk].to(slot.shard.dtype)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep._torch_compat import queue_callback
+from lockstep._torch_compat import current_graph_task_id, queue_callback
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -95,8 +95,19 @@ class FSDPUnit:
         module.__dict__["__deepcopy__"] = self._refuse_deepcopy
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        for slot in flat.trainable:
-            slot.full.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooked: set[int] = set()  # ids of the full tensors whose gradients are counted
+        self._expected = 0  # gradients the backward of the last forward produces
+        self._follow_trainable()
+
+    def _follow_trainable(self) -> None:
+        """Count the gradients of the parameters trainable now (``requires_grad`` may change
+        after ``fully_shard``, between steps)."""
+        trainable = self.flat.sync_trainable()
+        for slot in trainable:
+            if id(slot.full) not in self._hooked:
+                slot.full.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooked.add(id(slot.full))
+        self._expected = len(trainable)
 
     def _refuse_deepcopy(self, memo: Any) -> Any:
         raise RuntimeError(
@@ -125,6 +136,14 @@ class FSDPUnit:
         """Start the asynchronous all-gather of the full parameters (no-op if gathered or going)."""
         if self.unsharded or self._gathering is not None:
             return
+        if collectives.group_size(self.shard_group) != self.flat.size:
+            raise RuntimeError(
+                f"fully_shard: {type(self.module).__name__} was sharded across {self.flat.size} "
+                f"rank(s) but its group now has {collectives.group_size(self.shard_group)}: it "
+                "was sharded before the process group existed. Call "
+                "torch.distributed.init_process_group (or lockstep.init_distributed) first, "
+                "then build and shard the model"
+            )
         out, local = self.flat.gather_output(), self.flat.gather_input()
         pending = collectives.Pending(None)
         if out.numel():
@@ -174,8 +193,14 @@ class FSDPUnit:
         if self.root is None:
             self._lazy_init_root()
         assert self.root is not None
+        if current_graph_task_id() != -1:  # recomputed in backward (activation checkpointing)
+            self.unshard()  # kept until this unit's backward is over: see _post_forward
+            return self.mp_policy.cast_inputs(args), self.mp_policy.cast_inputs(kwargs)
         if self.is_root:
             self.root.prefetcher.drop()  # gathers from before an optimizer step are stale
+        if not self.backward_open:
+            self.flat.check_unchanged(type(module).__name__)
+            self._follow_trainable()
         self.unshard()
         self.root.prefetcher.on_forward(self)
         self.emit("forward-begin")
@@ -183,7 +208,12 @@ class FSDPUnit:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.emit("forward-end")
-        if self.reshard_after_forward:
+        if current_graph_task_id() != -1:
+            # A forward recomputed during backward (activation checkpointing without early
+            # stop runs the whole block again, hooks included): the backward about to run
+            # needs the gathered parameters, which its post-backward frees.
+            self.flat.use_shards()
+        elif self.reshard_after_forward:
             self.reshard()
         else:
             self.flat.use_shards()
@@ -206,7 +236,7 @@ class FSDPUnit:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self._ready += 1
-        if self.backward_open and self._ready == len(self.flat.trainable):
+        if self.backward_open and self._ready == self._expected:
             self.post_backward()
 
     def post_backward(self) -> None:
