@@ -177,7 +177,9 @@ def _check_zero2_plain_model(w: _World, out: dict) -> None:
         _train_step(model, opt, w.shard(x), w.shard(y))
     out["zero2_param_diff"] = _max_diff(model, ref)
     held = [(p, q) for p, q in zip(model.parameters(), ref.parameters()) if p.grad is not None]
-    diffs = [(p.grad - q.grad).abs().max().item() for p, q in held]
+    # After step() an owner holds world_size x the averaged gradient: its share of the next
+    # average, should the gradients be carried into the next step.
+    diffs = [(p.grad / w.size - q.grad).abs().max().item() for p, q in held]
     out["zero2_grad_diff"] = max(diffs, default=0.0)
     out["zero2_grads_held"] = len(held)
     out["zero2_grads_owned"] = sum(len(g["params"]) for g in opt.optim.param_groups)
@@ -201,6 +203,54 @@ def _check_zero2_ddp_no_sync(w: _World, out: dict) -> None:
                 (F.mse_loss(model(xm), ym) / 2).backward()
         opt.step()
     out["zero2_ddp_param_diff"] = _max_diff(model.module, ref)
+
+
+def _check_zero2_carried_and_clipped(w: _World, out: dict) -> None:
+    """ZeRO-2 with gradients carried into the next step (no zero_grad between steps) and with
+    clip_grad_norm_ before each step: the same as plain SGD with torch's clipping."""
+    for clip in (False, True):
+        ref, model = _model(w.device), _model(w.device)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        opt = w.zero(model.parameters(), torch.optim.SGD, reduce_gradients=True, lr=0.05, momentum=0.9)
+        norms = []
+        for step, (x, y) in enumerate(_batches(STEPS, w.device)):
+            if clip or step == 0:  # without clipping, zeroed once: the gradients carry over
+                ref_opt.zero_grad()
+                opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            F.mse_loss(model(w.shard(x)), w.shard(y)).backward()
+            if clip:
+                expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                norms.append(abs(opt.clip_grad_norm_(0.05).item() - expected.item()))
+            ref_opt.step()
+            opt.step()
+        out[f"zero2_{'clipped' if clip else 'carried'}_diff"] = _max_diff(model, ref)
+        if clip:
+            out["zero2_clip_norm_diff"] = max(norms)
+
+
+def _check_zero2_group_from_rank0(w: _World, out: dict) -> None:
+    """A group added to ZeRO-2 starts from rank 0's values, as the model's first parameters do."""
+    model = _model(w.device)
+    head = nn.Linear(3, 2).to(w.device, torch.float64)
+    with torch.no_grad():
+        head.weight.fill_(float(w.rank))  # each rank's own, unsynchronised initialisation
+    opt = w.zero(model.parameters(), torch.optim.SGD, reduce_gradients=True, lr=0.05)
+    opt.add_param_group({"params": list(head.parameters())})
+    out["zero2_added_from_rank0"] = bool((head.weight == 0).all())
+
+
+def _check_swapped_order(w: _World, out: dict) -> None:
+    """Two same-shaped parameters passed in another order on one rank: refused on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(w.device)
+    params = list(model.parameters())
+    if w.rank == 1:
+        params[0], params[2] = params[2], params[0]  # the two 4x4 weights
+    try:
+        w.zero(params, torch.optim.SGD, lr=0.1)
+    except RuntimeError as exc:
+        out["order_error"] = str(exc)
 
 
 def _check_checkpoint(w: _World, parts: tuple, ckpt_out: str | None, out: dict) -> None:
@@ -264,10 +314,13 @@ def _run_checks(w: _World, ckpt_in: str | None, ckpt_out: str | None) -> dict[st
     _check_mixed_dtypes(w, out)
     _check_zero2_plain_model(w, out)
     _check_zero2_ddp_no_sync(w, out)
+    _check_zero2_carried_and_clipped(w, out)
+    _check_zero2_group_from_rank0(w, out)
     if ckpt_in:
         _check_resume(w, ckpt_in, out)
     if w.size > 1:
         _check_mismatch(w, out)
+        _check_swapped_order(w, out)
     return out
 
 
@@ -519,6 +572,8 @@ def _check_equivalences(results: list[dict]) -> None:
         assert out["zero2_grad_diff"] < TOL, where
         assert out["zero2_groups_lr"] == [1e-2, 5e-3], where
         assert out["zero2_ddp_param_diff"] < TOL, where
+        assert out["zero2_carried_diff"] < TOL and out["zero2_clipped_diff"] < TOL, where
+        assert out["zero2_clip_norm_diff"] < TOL and out["zero2_added_from_rank0"], where
         for view in (False, True):
             assert out[f"mixed_dtype_diff_view{view}"] == 0.0, where
             assert out[f"mixed_dtype_ok_view{view}"], where
@@ -555,6 +610,12 @@ def test_mismatched_parameters_fail_on_every_rank(pair, world3):
         assert "rank 1 passed different parameters from rank 0" in out["mismatch_error"]
         first = "(0, 0, (3,), 'torch.float32') vs (0, 0, (4,), 'torch.float32')"
         assert first in out["mismatch_error"]
+
+
+def test_parameters_in_another_order_fail_on_every_rank(pair, world3):
+    for out in pair + world3:
+        assert "rank 1 passed different parameters from rank 0: the same values in another order" \
+            in out["order_error"], out.get("order_error")
 
 
 def test_world3_steps_equal_plain_optimizers(world3):

@@ -17,7 +17,7 @@ from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.zero.broadcast import OwnerBucket
 
-__all__ = ["grad_bytes", "reduce_to_owners"]
+__all__ = ["carry_forward", "clip_owned", "grad_bytes", "reduce_to_owners"]
 
 
 @torch.no_grad()
@@ -56,6 +56,62 @@ def reduce_to_owners(
         else:
             for p in bucket.params:
                 p.grad = None
+
+
+@torch.no_grad()
+def carry_forward(buckets: Sequence[OwnerBucket], rank: int, world: int) -> None:
+    """After a step, put the owner's averaged gradients back in the form the next reduction
+    expects: this rank's share of a sum that is divided by ``world``.
+
+    Gradients left in place (no ``zero_grad`` before the next backward) then count once, as
+    torch's own optimizers and DDP count them: the next step averages ``world`` x the carried
+    gradient (held by the owner alone) with the new local gradients, which gives the carried
+    gradient plus the average of the new ones. Zeroed or ``None`` gradients carry nothing.
+    """
+    if world == 1:
+        return
+    for bucket in buckets:
+        if bucket.owner == rank:
+            for p in bucket.params:
+                if p.grad is not None:
+                    p.grad.mul_(world)
+
+
+@torch.no_grad()
+def clip_owned(buckets: Sequence[OwnerBucket], rank: int, group: dist.ProcessGroup | None,
+               max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """Clip the reduced gradients (each held by its owner alone) by their global norm.
+
+    Each rank takes the norm of the gradients it owns; one all-reduce combines them (a sum of
+    p-th powers, or a max for the infinity norm), so every rank scales by the factor
+    ``torch.nn.utils.clip_grad_norm_`` would use on the whole averaged gradient. Returns the norm.
+    """
+    device = next(p.device for bucket in buckets for p in bucket.params)
+    grads = [p.grad for bucket in buckets if bucket.owner == rank for p in bucket.params
+             if p.grad is not None]
+    norm_type = float(norm_type)
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) for g in grads]
+    if norm_type == float("inf"):
+        total = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64, device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        total = (torch.stack(norms).pow(norm_type).sum() if norms
+                 else torch.zeros((), dtype=torch.float64, device=device))
+        op = dist.ReduceOp.SUM
+    total = total.to(device)
+    hang.run(group_progress(group), "ZeRO gradient-norm all-reduce",
+             lambda: dist.all_reduce(total, op=op, group=group))
+    if norm_type != float("inf"):
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+            "clipped; set error_if_nonfinite=False to clip anyway"
+        )
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return total.to(grads[0].dtype if grads else torch.float32)
 
 
 def grad_bytes(params: Sequence[torch.Tensor]) -> int:

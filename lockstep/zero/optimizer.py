@@ -25,7 +25,7 @@ from lockstep.zero.broadcast import (
     global_ranks,
     make_buckets,
 )
-from lockstep.zero.gradients import reduce_to_owners
+from lockstep.zero.gradients import carry_forward, clip_owned, reduce_to_owners
 from lockstep.zero.partition import partition_groups
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -92,6 +92,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated: dict[int, dict] | None = None
         self._steps = 0  # steps taken, to tell a stale consolidated state from a fresh one
         self._consolidated_at = 0
+        self._reduced = False  # ZeRO-2: clip_grad_norm_ already reduced this step's gradients
         super().__init__(_nonempty(params), defaults)
         self._check_parameters()
         self._owners, loads = partition_groups(self._group_sizes(), self.world_size)
@@ -122,32 +123,65 @@ class ZeroRedundancyOptimizer(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
                 closure = None
-            reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
+                self._reduced = False  # the closure made new local gradients
+            if not self._reduced:
+                reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
+            self._reduced = False
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
         if closure is not None:
             stepped = self.optim.step(closure=closure, **kwargs)
         else:
             stepped = self.optim.step(**kwargs)
         broadcast_buckets(self._buckets, self.rank, self.process_group, self._ranks)
+        if self._reduce_gradients:
+            carry_forward(self._buckets, self.rank, self.world_size)
         self._steps += 1
         # Some optimizers change their own hyperparameters; keep the full view in step.
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         return loss if loss is not None else stepped
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by the norm of the whole averaged gradient; return that norm.
+
+        Call it between backward and :meth:`step`, on every rank (it communicates with
+        ``reduce_gradients=True``). With ZeRO-1 the gradients are already averaged on every
+        rank (DDP), and this is ``torch.nn.utils.clip_grad_norm_`` over all the parameters.
+        With ZeRO-2 (``reduce_gradients=True``) the ranks hold their own, not yet averaged,
+        gradients until ``step()``, so torch's function would clip each rank by its own norm:
+        this one reduces them to their owners first (``step()`` then does not reduce again) and
+        scales by the norm of the averaged gradient, as a single process would.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not self._reduce_gradients:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+        if not self._reduced:
+            reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
+            self._reduced = True
+        return clip_owned(self._buckets, self.rank, self.process_group, max_norm, norm_type,
+                          error_if_nonfinite)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (e.g. layers unfrozen while fine-tuning); every rank must call it alike.
 
-        Earlier parameters keep their owners, so no optimizer state moves.
+        Earlier parameters keep their owners, so no optimizer state moves. The new parameters
+        are checked across ranks as at construction, and with ``reduce_gradients=True`` taken
+        from rank 0 (no DDP broadcast keeps them equal).
         """
         super().add_param_group(param_group)
         if not self._initialized:
             return
+        self._check_parameters()
         self._owners, _ = partition_groups(self._group_sizes(), self.world_size)
         group = self.param_groups[-1]
         local = [p for p, owner in zip(group["params"], self._owners[-1]) if owner == self.rank]
         self.optim.add_param_group({**_hyperparameters(group), "params": local})
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._build_buckets()
+        if self._reduce_gradients:
+            broadcast_buckets(make_buckets([list(group["params"])]), self.rank,
+                              self.process_group, self._ranks)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -262,10 +296,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         _check_backend(str(dist.get_backend(self.process_group)), device)
         signature = [(g, i, tuple(p.shape), str(p.dtype)) for g, i, p in params]
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, signature, group=self.process_group)
-        for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                raise ReplicaMismatchError(_mismatch_message(rank, everyone[0], theirs))
+        dist.all_gather_object(everyone, (signature, _checksums([p for _, _, p in params])),
+                               group=self.process_group)
+        ours, our_sums = everyone[0]
+        for rank, (theirs, their_sums) in enumerate(everyone):
+            if theirs != ours:
+                raise ReplicaMismatchError(_mismatch_message(rank, ours, theirs))
+            if their_sums != our_sums and sorted(their_sums) == sorted(our_sums):
+                raise ReplicaMismatchError(_order_message(rank, signature, our_sums, their_sums))
 
 
 def _check_arguments(optimizer_class: Any, overlap_with_ddp: bool) -> None:
@@ -302,7 +340,13 @@ def _check_backend(backend: str, device: torch.device) -> None:
 def _nonempty(params: Iterable[Any]) -> list[Any]:
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
-    listed = list(params)
+    try:
+        listed = list(params)
+    except TypeError:
+        raise TypeError(
+            f"params must be an iterable of tensors or dicts (e.g. model.parameters()), got "
+            f"{type(params).__name__}"
+        ) from None
     if not listed:
         raise ValueError(
             "ZeroRedundancyOptimizer got an empty parameter list; pass model.parameters() "
@@ -318,6 +362,30 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 def _copy_hyperparameters(sources: list[dict], targets: list[dict]) -> None:
     for source, target in zip(sources, targets):
         target.update(_hyperparameters(source))
+
+
+def _checksums(params: list[torch.Tensor]) -> list[float]:
+    """Each parameter's sum, to tell the same values in another order from other values.
+
+    Parameters of the same shapes passed in another order pass the shape check, and the
+    broadcast after each step would then write one layer's weights into another. Where the
+    ranks' sums are the same numbers in another order, the order differs; where they simply
+    differ (each rank initialised its own model, which DDP or ``reduce_gradients`` makes equal
+    later), nothing is said. One value per parameter, read in one transfer."""
+    with torch.no_grad():
+        sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in params])
+    return [float(x) for x in sums.cpu().tolist()]
+
+
+def _order_message(rank: int, signature: list, ours: list[float], theirs: list[float]) -> str:
+    index = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    g, i, shape, _ = signature[index]
+    return (
+        f"rank {rank} passed different parameters from rank 0: the same values in another order "
+        f"(first at parameter {i} of group {g}, shape {shape}); every rank must build the same "
+        "model and pass its parameters in the same order, or each step's broadcast would write "
+        "one parameter into another"
+    )
 
 
 def _mismatch_message(rank: int, ours: list, theirs: list) -> str:
