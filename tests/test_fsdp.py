@@ -511,10 +511,20 @@ def _check_recomputed_blocks(rank: int, size: int, out: dict) -> None:
     out["recomputed"] = _diff(model, ref)
 
 
+def _check_different_models(rank: int, size: int, out: dict) -> None:
+    """A rank whose model differs is named on every rank at the first forward (not a gloo abort)."""
+    torch.manual_seed(0)
+    model = lockstep.fully_shard(nn.Sequential(nn.Linear(4, 6 if rank == size - 1 else 4), nn.Tanh()))
+    with pytest.raises(lockstep.ReplicaMismatchError) as caught:
+        model(torch.ones(2, 4))
+    out["different_models"] = str(caught.value)
+
+
 def fsdp_worker(rank: int) -> dict:
     lockstep.init_distributed()
     size = dist.get_world_size()
     out: dict = {}
+    _check_different_models(rank, size, out)
     _check_freeze_after_shard(rank, size, out)
     _check_recomputed_blocks(rank, size, out)
     _check_adamw(rank, size, out, "adamw")
@@ -530,7 +540,8 @@ def fsdp_worker(rank: int) -> dict:
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 3])
 def test_equivalence_with_one_process(world):
-    for out in lockstep.spawn(fsdp_worker, world, timeout=120):
+    outs = lockstep.spawn(fsdp_worker, world, timeout=120)
+    for out in outs:
         for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync",
                     "freeze_after_shard", "recomputed"):
             assert out[key] < TOL, (key, out[key])
@@ -539,6 +550,9 @@ def test_equivalence_with_one_process(world):
         assert out["adamw_in_flight"] == 2, out["adamw_in_flight"]
         assert out["frozen_grad_is_none"] and out["no_sync_no_grad"] and out["clip_clipped"]
         assert out["freeze_after_shard_grads"]
+        last = len(outs) - 1
+        assert (f"fully_shard: rank {last} holds different parameters than rank 0: parameter "
+                f"'0.weight' has shape [6, 4], rank 0 has [4, 4]") in out["different_models"]
         assert out["clip_norm"] < TOL
         # bf16 compute: same roundings as the reference; fp32 sums in another order.
         assert out["mp"] < 1e-4 < out["mp_vs_fp32"], (out["mp"], out["mp_vs_fp32"])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep._torch_compat import current_graph_task_id, queue_callback
+from lockstep.ddp.replica_sync import ReplicaMismatchError, first_mismatch
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -59,6 +60,31 @@ class RootState:
             unit.land(reduced)
         self.pending.clear()
         self.prefetcher.end_backward()
+
+
+def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank of ``group`` if a rank's sharded parameters differ from rank 0's.
+
+    Ranks that built different models would otherwise send gathers of different sizes, and
+    gloo would abort one rank with a size error and reset the others' connections. Checked
+    once, at the root's first forward, in one exchange.
+    """
+    if collectives.group_size(group) == 1:
+        return
+    mine = [(f"{name}.{slot.fqn}" if name else slot.fqn, tuple(slot.shape),
+             str(slot.shard.dtype).replace("torch.", ""))
+            for name, unit in named for slot in unit.flat.slots]
+    everyone: list[Any] = [None] * collectives.group_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
+    for rank, theirs in zip(ranks, everyone):
+        diff = first_mismatch(everyone[0], theirs)
+        if diff is not None:
+            raise ReplicaMismatchError(
+                f"fully_shard: rank {rank} holds different parameters than rank {ranks[0]}: "
+                f"{diff.replace('rank 0', f'rank {ranks[0]}')}. Every rank must build the same "
+                "model (same code, same arguments) and shard it the same way"
+            )
 
 
 class FSDPUnit:
@@ -120,6 +146,10 @@ class FSDPUnit:
 
     def _lazy_init_root(self) -> None:
         named = [(n, u) for n, m in self.module.named_modules() if (u := get_unit(m)) is not None]
+        if dist.is_initialized():
+            _same_everywhere(named, self.shard_group)
+            if self.replicate_group is not None:
+                _same_everywhere(named, self.replicate_group)
         state = RootState([u for _, u in named])
         for name, unit in named:
             unit.root, unit.name = state, name
