@@ -26,6 +26,7 @@ from torch import nn
 __all__ = [
     "OLDEST_TORCH",
     "BatchNormBase",
+    "OptimizerStateDictHooks",
     "RendezvousInternals",
     "TorchCompatError",
     "WorkersStoreOverride",
@@ -34,6 +35,7 @@ __all__ = [
     "default_store",
     "flatten_dense_tensors",
     "forget_shared_store_server",
+    "optimizer_state_dict_hooks",
     "preserve_version_counter",
     "queue_callback",
     "refresh_rnn_flat_weights",
@@ -126,6 +128,33 @@ def copy_tensors(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
             buffer.copy_(source, non_blocking=non_blocking)
         return
     foreach(list(buffers), list(sources), non_blocking=non_blocking)
+
+
+class OptimizerStateDictHooks(NamedTuple):
+    """The hooks torch's public ``Optimizer.register_*state_dict*_hook`` methods registered."""
+
+    save_pre: list[Callable[..., Any]]
+    save_post: list[Callable[..., Any]]
+    load_pre: list[Callable[..., Any]]
+    load_post: list[Callable[..., Any]]
+
+
+def optimizer_state_dict_hooks(optimizer: torch.optim.Optimizer) -> OptimizerStateDictHooks:
+    """The state-dict hooks registered on ``optimizer``, in registration order.
+
+    An optimizer that builds its own state dict (lockstep's ZeroRedundancyOptimizer gathers
+    the shards) runs them where ``Optimizer.state_dict``/``load_state_dict`` would.
+    """
+    try:
+        return OptimizerStateDictHooks(
+            list(optimizer._optimizer_state_dict_pre_hooks.values()),
+            list(optimizer._optimizer_state_dict_post_hooks.values()),
+            list(optimizer._optimizer_load_state_dict_pre_hooks.values()),
+            list(optimizer._optimizer_load_state_dict_post_hooks.values()),
+        )
+    except AttributeError as err:
+        raise _missing("Optimizer._optimizer_*state_dict*_hooks",
+                       "run an optimizer's state-dict hooks", err) from err
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -84,6 +84,21 @@ def test_copy_tensors_copies_every_pair(monkeypatch, foreach):
     assert all(torch.equal(b, s) for b, s in zip(buffers, sources))
 
 
+def test_optimizer_state_dict_hooks_in_registration_order():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    calls: list[str] = []
+    optimizer.register_state_dict_pre_hook(lambda o: calls.append("save_pre"))
+    optimizer.register_state_dict_post_hook(lambda o, sd: calls.append("save_post"))
+    optimizer.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+    optimizer.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    hooks = compat.optimizer_state_dict_hooks(optimizer)
+    for hook in hooks.save_pre + hooks.load_post:
+        hook(optimizer)
+    for hook in hooks.save_post + hooks.load_pre:
+        hook(optimizer, {})
+    assert calls == ["save_pre", "load_post", "save_post", "load_pre"]
+
+
 def test_refresh_rnn_flat_weights_points_at_the_clone_parameters():
     lstm = nn.LSTM(3, 4)
     clone = copy.copy(lstm)

@@ -518,6 +518,20 @@ def test_world_of_one_equals_plain_adam_and_its_state_dict(world_of_one):
     assert _state_diff(opt.state_dict(), ref_opt.state_dict()) == 0.0
 
 
+def test_state_dict_hooks_run_as_torch_runs_them(world_of_one):
+    opt = lockstep.ZeroRedundancyOptimizer(_model().parameters(), torch.optim.Adam, **_ADAM)
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save_pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": calls.append("save_post") or 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    opt.consolidate_state_dict()
+    saved = opt.state_dict()
+    assert saved["tag"] == 1  # what a post-hook returns is the state dict
+    opt.load_state_dict(saved)
+    assert calls == ["save_pre", "save_post", "load_pre", "load_post"]
+
+
 def test_closure_is_evaluated_and_its_loss_returned(world_of_one):
     for reduce_gradients in (False, True):
         model = _model()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lockstep._torch_compat import optimizer_state_dict_hooks
 from lockstep.ddp.replica_sync import ReplicaMismatchError
 from lockstep.zero import state as zstate
 from lockstep.zero.broadcast import (
@@ -205,6 +206,9 @@ class ZeroRedundancyOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state, in a plain optimizer's format, as last consolidated.
 
+        Hooks registered with ``register_state_dict_pre_hook``/``..._post_hook`` run as
+        torch's ``Optimizer.state_dict`` runs them.
+
         Raises:
             RuntimeError: this rank did not receive the state in ``consolidate_state_dict``,
                 or the optimizer stepped since (the state would be stale).
@@ -220,13 +224,28 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"optimizer has taken {self._steps} steps: call consolidate_state_dict() on every "
                 "rank again before state_dict()"
             )
-        return zstate.full_state_dict(self.param_groups, self._consolidated)
+        hooks = optimizer_state_dict_hooks(self)
+        for pre_hook in hooks.save_pre:
+            pre_hook(self)
+        state_dict = zstate.full_state_dict(self.param_groups, self._consolidated)
+        for post_hook in hooks.save_post:
+            changed = post_hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict, saved at any world size or by a plain optimizer.
 
         Each rank keeps only its shard's state. Raises ``ValueError`` if the groups differ.
+        Hooks registered with ``register_load_state_dict_pre_hook``/``..._post_hook`` run as
+        torch's ``Optimizer.load_state_dict`` runs them.
         """
+        hooks = optimizer_state_dict_hooks(self)
+        for pre_hook in hooks.load_pre:
+            changed = pre_hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
         zstate.check_compatible(state_dict, [len(g["params"]) for g in self.param_groups])
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(_hyperparameters(saved))
@@ -234,6 +253,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated = None  # it described the state before this load
         self.state = self.optim.state  # load_state_dict replaced the shard's state dict
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        for post_hook in hooks.load_post:
+            post_hook(self)
 
     # -- helpers ---------------------------------------------------------------------------
 
