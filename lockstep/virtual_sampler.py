@@ -80,7 +80,7 @@ class VirtualShardSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation; a resumed position applies to its own epoch only."""
         if epoch != self.epoch:
-            self._skip = 0
+            self._skip = self._yielded = 0  # a save now is at the top of the new epoch
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:

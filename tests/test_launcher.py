@@ -195,6 +195,14 @@ def test_omp_threads_only_when_workers_share_cores():
     assert threads == max(1, len(os.sched_getaffinity(0)) // 64) >= 1
 
 
+def test_virtual_shards_give_every_world_the_same_thread_count():
+    # A CPU reduction's bits depend on its threads: the same count at every world size of V=4.
+    counts = {config.plan_from_args(_args("--virtual-shards", "4", "--nproc-per-node", str(n), str(JOB)),
+                                    environ={}).worker_env["OMP_NUM_THREADS"] for n in (1, 2, 4)}
+    assert counts == {str(max(1, len(os.sched_getaffinity(0)) // 4))}
+    assert config.omp_threads(1, {"OMP_NUM_THREADS": "3"}, virtual_shards=4) == {}  # the user's
+
+
 def test_auto_nproc_without_gpus():
     expected = torch.cuda.device_count() if torch.cuda.is_available() else 2
     assert config.auto_nproc() == expected
@@ -390,10 +398,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _lockstep_run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _lockstep_run(*argv: str, env: dict[str, str] | None = None,
+                  cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lockstep", "run", *argv],
         check=False,
+        cwd=cwd,
         env=env or _env(),
         capture_output=True,
         text=True,
@@ -419,7 +429,11 @@ def _processes_with(marker: str) -> list[int]:
 
 @pytest.mark.multirank
 def test_world_of_two_completes_on_loopback(tmp_path):
-    done = _lockstep_run("--nproc-per-node", "2", str(JOB), "ok", str(tmp_path))
+    # The script named relative to the working directory, with torchrun's output and role
+    # flags: it sees an absolute __file__ as under `python job.py` and torchrun.
+    done = _lockstep_run("--nproc-per-node", "2", "--role", "trainer", "--tee", "3", "-r", "3",
+                         "--run-path", "--start-method", "spawn", JOB.name, "ok", str(tmp_path),
+                         cwd=JOB.parent)
     assert done.returncode == 0, done.stderr
     assert "[rank0]: hello from rank 0 of 2" in done.stdout
     assert "[rank1]: hello from rank 1 of 2" in done.stdout
@@ -439,7 +453,9 @@ def test_world_of_two_completes_on_loopback(tmp_path):
             "OMP_NUM_THREADS": threads,
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_RUN_ID": None,
+            "ROLE_NAME": "trainer",
         }
+        assert report["file"] == str(JOB)
         # The worker's own sockets and its launcher's (both stores): loopback only.
         assert report["listening"], "found no listening socket to check"
         assert {addr.rsplit(":", 1)[0] for addr in report["listening"]} <= {

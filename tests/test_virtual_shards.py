@@ -170,6 +170,17 @@ def test_sampler_resumes_at_another_world_and_refuses_another_run():
         VirtualShardSampler(range(40), 8, 2, 1, 0).load_state_dict(state)
 
 
+def test_a_save_at_the_top_of_an_epoch_resumes_the_whole_epoch():
+    sampler = VirtualShardSampler(range(40), 4, 2, 2, 0)
+    assert len(list(sampler)) == 5  # epoch 0 to its end
+    sampler.set_epoch(1)
+    state = sampler.state_dict()  # saved before the first batch of epoch 1
+    assert (state["epoch"], state["steps"]) == (1, 0)
+    resumed = VirtualShardSampler(range(40), 4, 2, 1, 0)
+    resumed.load_state_dict(state)
+    assert len(list(resumed)) == 5
+
+
 def test_split_shards_and_seeds():
     parts = split_shards((torch.arange(6), {"y": torch.arange(6) * 2}), 3)
     assert torch.equal(parts[1][0], torch.tensor([2, 3]))

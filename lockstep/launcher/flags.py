@@ -49,7 +49,15 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
                          "interpreter, not forked from a server that has imported torch"}),
     ("local-ranks-filter", {"default": "", "metavar": "R,...",
                                 "help": "show only these local ranks' output on the console"}),
+    ("role", {"default": "default", "help": "the workers' ROLE_NAME, as torchrun's"}),
+    ("start-method", {"default": "spawn", "choices": ["spawn", "fork", "forkserver"],
+                      "help": "accepted for torchrun's sake: a script's workers are processes "
+                              "of their own (see --no-fork for restarts)"}),
 )  # fmt: skip
+
+# torchrun's output flags, accepted so its command lines run unchanged: every worker's output
+# reaches the console through the relay and, with --log-dir, its files (torchrun's --tee).
+_OUTPUT_FLAGS = (("-t", "--tee"), ("-r", "--redirects"))
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +65,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     for name, options in _FLAGS:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('-', '_')}"])
         parser.add_argument(*spellings, **options)
+    for short, long in _OUTPUT_FLAGS:
+        parser.add_argument(short, long, default=None, metavar="0-3|RANK:N,...",
+                            help=f"accepted as torchrun's {long}: output always reaches the "
+                                 "console (prefixed) and, with --log-dir, the log files")
+    parser.add_argument(
+        "--run-path", "--run_path", action="store_true",
+        help="accepted as torchrun's: a script is run as `python script.py` runs it")
     parser.add_argument(
         "--standalone",
         action="store_true",

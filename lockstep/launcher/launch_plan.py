@@ -66,6 +66,7 @@ class LaunchPlan:
     spares: int = 1  # with survivors: warm spare workers
     node_timeout: float = 10.0  # with survivors on several machines: silence that counts lost
     fork_workers: bool = True  # with restarts: workers forked from a server that has torch
+    role: str = "default"  # torchrun's --role: the workers' ROLE_NAME
 
     def __post_init__(self) -> None:
         """Refuse a plan that cannot work, however it was built (flags or by hand)."""
@@ -270,7 +271,7 @@ def plan_from_args(
     local_addr = args.local_addr
     if local_addr is None and backend == LOOPBACK_BACKEND:
         local_addr = LOOPBACK_HOST  # workers of a loopback job meet on loopback too
-    worker_env = omp_threads(nproc, environ)
+    worker_env = omp_threads(nproc, environ, getattr(args, "virtual_shards", None))
     if getattr(args, "virtual_shards", None) is not None:
         worker_env.update(virtual_shards_env(args.virtual_shards, nproc, min_nodes, max_nodes))
     if backend == LOOPBACK_BACKEND:
@@ -297,6 +298,7 @@ def plan_from_args(
         spares=getattr(args, "spares", 1),
         node_timeout=getattr(args, "node_timeout", 10.0),
         fork_workers=not getattr(args, "no_fork", False),
+        role=getattr(args, "role", "default"),
     )
 
 
@@ -323,7 +325,7 @@ def to_launch_config(plan: LaunchPlan, log_dir: str,
         nproc_per_node=plan.nproc_per_node,
         logs_specs=logs,
         run_id=plan.run_id,
-        role="default",  # torchrun's ROLE_NAME
+        role=plan.role,  # torchrun's ROLE_NAME
         rdzv_endpoint=plan.rdzv_endpoint,
         # static: torch's handler, wrapped so that machine 0 leaves last (static_rendezvous)
         rdzv_backend=STATIC_BACKEND if plan.rdzv_backend == "static" else plan.rdzv_backend,

@@ -158,6 +158,7 @@ class _Job:
             **os.environ, **plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid()),
             "MASTER_ADDR": host, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(plan.nproc_per_node), "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": plan.role,
             "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
             "TORCHELASTIC_RUN_ID": plan.run_id, SURVIVORS_ENV: "1",
             # This launcher hosts the store and outlives the workers (no waiting for peers'

@@ -70,7 +70,8 @@ def run_script(target: str, args: list[str], as_module: bool = False) -> None:
     sys.argv = [target, *args]
     # `python script.py` puts the script's folder first on the path where `-m` put the cwd.
     sys.path[0] = os.path.dirname(os.path.abspath(target))
-    runpy.run_path(target, run_name="__main__")
+    # `python script.py` (3.9+) and torchrun give the script an absolute __file__.
+    runpy.run_path(os.path.abspath(target), run_name="__main__")
 
 
 def _observe_torch_ddp() -> None:

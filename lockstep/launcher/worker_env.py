@@ -10,13 +10,16 @@ from lockstep.env import loopback_gloo
 __all__ = ["loopback_gloo", "omp_threads"]
 
 
-def omp_threads(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
+def omp_threads(nproc: int, environ: Mapping[str, str], virtual_shards: int | None = None) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for workers sharing a machine, unless the user chose it.
 
     Several workers each running one OpenMP thread per core oversubscribe the CPU many times
-    over; each gets an equal share of the cores this process may use instead.
+    over; each gets an equal share of the cores this process may use instead. With
+    ``virtual_shards`` the share is that of ``virtual_shards`` workers whatever ``nproc`` is:
+    a CPU reduction's bits depend on its thread count, and a virtual-shard run must give the
+    same bits at every world size.
     """
-    if nproc < 2 or "OMP_NUM_THREADS" in environ:
+    if "OMP_NUM_THREADS" in environ or (nproc < 2 and virtual_shards is None):
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // nproc))}
+    return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // (virtual_shards or nproc)))}

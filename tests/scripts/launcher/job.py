@@ -72,12 +72,14 @@ def main() -> None:
         "OMP_NUM_THREADS",
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_RUN_ID",
+        "ROLE_NAME",
     )
     report = {
         "env": {k: os.environ.get(k) for k in keys},
         "sum": total.item(),
         "listening": listening_addresses([os.getpid(), os.getppid()]),
         "pid": os.getpid(),
+        "file": __file__,
     }
     with open(os.path.join(outdir, f"rank{info.rank}_attempt{attempt}.json"), "w") as fh:
         json.dump(report, fh)
