@@ -82,8 +82,8 @@ class UnevenInputs:
 
         Returns:
             (number of active ranks, number that will sync, whether buffers are broadcast,
-            global rank of the lowest active group rank — the source of buffers while rank 0
-            may have joined — or None).
+            global rank of the highest active group rank — the source of buffers while ranks
+            may have joined, as torch's DDP takes it — or None).
         """
         flags = torch.zeros(self.world + 2, dtype=torch.int32, device=self.model.join_device)
         flags[0], flags[1] = int(sync), int(buffers)
@@ -91,7 +91,7 @@ class UnevenInputs:
         hang.run(self.progress, "DDP join announcement",
                  lambda: dist.all_reduce(flags, group=self.group))
         active_ranks = flags[2:].nonzero().flatten().tolist()
-        src = global_rank(self.group, active_ranks[0]) if active_ranks else None
+        src = global_rank(self.group, active_ranks[-1]) if active_ranks else None
         return len(active_ranks), int(flags[0]), bool(flags[1]), src
 
     def announce(self, sync_backward: bool) -> int:
@@ -142,14 +142,15 @@ class UnevenInputs:
         self._sync_final_model()
 
     def _sync_final_model(self) -> None:
-        """Broadcast the model of the rank that ran the most iterations (ties: lowest rank)."""
+        """Broadcast the model of the rank that ran the most iterations (ties: the highest rank,
+        as torch's DDP picks among its last joiners)."""
         group, world = self.group, self.world
         rank = dist.get_rank(group)
-        key = torch.tensor([self.iterations * world + (world - 1 - rank)], dtype=torch.int64,
+        key = torch.tensor([self.iterations * world + rank], dtype=torch.int64,
                            device=self.model.join_device)
         hang.run(self.progress, "DDP join: who ran longest",
                  lambda: dist.all_reduce(key, op=dist.ReduceOp.MAX, group=group))
-        src_group_rank = world - 1 - int(key) % world
+        src_group_rank = int(key) % world
         src = global_rank(group, src_group_rank)
         module = self.model.module
         state = [p.data for p in module.parameters()] + list(module.buffers())

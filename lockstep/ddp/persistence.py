@@ -83,6 +83,8 @@ class PersistentDDP(nn.Module):
                 "parameters lockstep averages; load with assign=False (the default), or load "
                 "into the module before wrapping it."
             )
-        if state_dict and all(k.startswith(_PREFIX) for k in state_dict):
+        if state_dict and all(k.startswith(_PREFIX) for k in state_dict) \
+                and not set(state_dict) <= set(self.module.state_dict()):
+            # torch DDP's keys; unless they are the module's own (its child named `module`)
             state_dict = {k[len(_PREFIX):]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

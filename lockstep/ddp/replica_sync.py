@@ -8,6 +8,7 @@ list with rank 0's and fails on every rank with the same message, naming the fir
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,9 @@ __all__ = [
 # Broadcast in chunks so that a huge model never needs a second full copy in one flat buffer.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
-Signature = list[tuple[str, tuple[int, ...], str]]
+# (name, shape, dtype) and, for parameters, requires_grad: DDP buckets the trainable ones only,
+# so ranks that froze different parameters would all-reduce buckets of different sizes.
+Signature = list[tuple[Any, ...]]
 
 
 class ReplicaMismatchError(RuntimeError, ValueError):
@@ -41,8 +44,9 @@ class ReplicaMismatchError(RuntimeError, ValueError):
 
 
 def parameter_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> Signature:
-    """What must agree across ranks: names, shapes and dtypes, in registration order."""
-    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in named_params]
+    """What must agree across ranks: names, shapes, dtypes and ``requires_grad``, in order."""
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
+            for name, p in named_params]
 
 
 def first_mismatch(reference: Signature, other: Signature, kind: str = "parameter") -> str | None:
@@ -51,13 +55,17 @@ def first_mismatch(reference: Signature, other: Signature, kind: str = "paramete
     Args:
         kind: what the entries are, for the message ("parameter" or "buffer").
     """
-    for (ref_name, ref_shape, ref_dtype), (name, shape, dtype) in zip(reference, other):
+    for ref, theirs in zip(reference, other):
+        (ref_name, ref_shape, ref_dtype), (name, shape, dtype) = ref[:3], theirs[:3]
         if ref_name != name:
             return f"{kind} {name!r} where rank 0 has {ref_name!r}"
         if ref_shape != shape:
             return f"{kind} {name!r} has shape {list(shape)}, rank 0 has {list(ref_shape)}"
         if ref_dtype != dtype:
             return f"{kind} {name!r} has dtype {dtype}, rank 0 has {ref_dtype}"
+        if ref[3:] != theirs[3:]:
+            return (f"{kind} {name!r} has requires_grad={theirs[3]}, rank 0 has "
+                    f"requires_grad={ref[3]} (freeze the same parameters on every rank)")
     if len(reference) != len(other):
         longer, extra = (reference, "rank 0 has") if len(reference) > len(other) else (other, "it has")
         name = longer[min(len(reference), len(other))][0]

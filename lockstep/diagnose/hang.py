@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 # The peer watch and the blame file live in lockstep.diagnose.blame (the abort guard uses them too);
 # they are re-exported here, where they were first written.
 from lockstep.diagnose.blame import BLAME_FILE, observe_peers, read_blame, write_blame
@@ -136,7 +138,11 @@ def call_as(progress: GroupProgress, seq: int, op: str, call: Callable[[], Any])
     start = time.monotonic()
     try:
         return call()
+    except dist.DistError as exc:
+        raise _named(progress, seq, op, exc, time.monotonic() - start) from exc
     except Exception as exc:
+        if not _PEER_TROUBLE.search(str(exc)):
+            raise  # the call's own error (a comm hook's bug), not a peer's absence: as it is
         raise _named(progress, seq, op, exc, time.monotonic() - start) from exc
 
 

@@ -192,6 +192,8 @@ class DataParallel(nn.Module):
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: Any, devices: Sequence[torch.device]
     ) -> list[tuple[tuple[Any, ...], dict[str, Any], Any]]:
         """:meth:`scatter` with ``targets`` carried as a keyword, split back out of every piece."""
+        if not inputs and not kwargs and targets is None:
+            return [((), {}, None)]  # nothing to split (torch's rule): one call, on the first device
         if targets is not None:
             kwargs = {**kwargs, "targets": targets}
         args_list, kwargs_list = self.scatter(inputs, kwargs, devices)
@@ -311,7 +313,8 @@ class DataParallel(nn.Module):
         # Accept both the bare module's keys and the wrapper's ``module.``-prefixed ones: rename
         # bare keys in place, before nn.Module's loader hands them on to self.module.
         mine = [k for k in state_dict if k.startswith(prefix)]
-        if mine and not all(k.startswith(prefix + "module.") for k in mine):
+        bare = mine and {k[len(prefix):] for k in mine} <= set(self.module.state_dict())
+        if mine and (bare or not all(k.startswith(prefix + "module.") for k in mine)):
             for key in mine:
                 state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args)

@@ -212,7 +212,14 @@ def _hooks() -> dict:
         ddp = cls(_mlp())
         ddp.register_comm_hook(None, _returns_int)
         out[f"not_a_future_{name}"] = _outcome(lambda d=ddp: _train(d, steps=1))[:3]
+        ddp = cls(_mlp())
+        ddp.register_comm_hook(None, _buggy_hook)
+        out[f"own_error_{name}"] = _outcome(lambda d=ddp: _train(d, steps=1))[:3]
     return out
+
+
+def _buggy_hook(state, bucket):  # unannotated: torch checks annotations as objects
+    raise ValueError("bug in my hook")
 
 
 def _mismatch() -> dict:
@@ -220,7 +227,10 @@ def _mismatch() -> dict:
     ddp = _outcome(lambda: lockstep.DistributedDataParallel(nn.Linear(3, 3 + rank)))
     zero = _outcome(lambda: lockstep.ZeroRedundancyOptimizer(
         nn.Linear(3, 3 + rank).parameters(), torch.optim.SGD, lr=0.1))
-    return {"ddp": ddp[:3], "zero": zero[:3]}
+    frozen = _mlp()
+    frozen[2].weight.requires_grad_(rank == 0)  # rank 1 froze a layer rank 0 trains
+    return {"ddp": ddp[:3], "zero": zero[:3],
+            "frozen": _outcome(lambda: lockstep.DistributedDataParallel(frozen))[:3]}
 
 
 def _copies() -> dict:
@@ -253,7 +263,23 @@ def _state_dicts() -> dict:
     _train(t, steps=1, n_in=5, n_out=2)
     ours.load_state_dict(t.state_dict())
     out["from_torch"] = all(torch.equal(a, b) for a, b in zip(_state(t.module), _state(ours.module)))
+    # A model whose only child is named `module` (an EMA or teacher wrapper): its own keys
+    # start with "module." and must not lose it; torch DDP's keys still lose one.
+    t, ours = _both(lambda: _Holder(_bn()))
+    _train(t, steps=1, n_in=5, n_out=2)
+    out["module_child"] = [_outcome(lambda sd=sd: ours.load_state_dict(sd))[0]
+                           for sd in (ours.state_dict(), t.state_dict(), t.module.state_dict())]
+    out["module_child_equal"] = all(torch.equal(a, b) for a, b in zip(_state(t.module), _state(ours.module)))
     return out
+
+
+class _Holder(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
 
 
 def _members() -> dict:
@@ -298,6 +324,15 @@ def _generic_join() -> dict:
 
     out["throw"] = [_outcome(lambda c=cls: uneven(c))[:2]
                     for cls in (TorchDDP, lockstep.DistributedDataParallel)]
+    buffers = []  # even inputs under Join: buffers come from the highest active rank, as torch's
+    for cls in (TorchDDP, lockstep.DistributedDataParallel):
+        ddp = cls(_bn())
+        with Join([ddp]):
+            for step in range(2):
+                x, y = _data(step, rank, 5, 2)
+                F.mse_loss(ddp(x), y).backward()
+        buffers.append([b.clone() for b in ddp.module.buffers()])
+    out["even_buffers"] = buffers
     return out
 
 
@@ -466,6 +501,11 @@ def test_torch_generic_join_throws_on_early_termination_like_torch(world2):
         assert t_kind == o_kind == "raised" and t_classes == o_classes
 
 
+def test_torch_generic_join_takes_buffers_from_the_same_rank_as_torch(world2):
+    for r in world2:
+        assert _equal(*r["generic_join"]["even_buffers"])
+
+
 # ---- 3. buffers ---------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["default", "broadcast_false", "forward_sync_false"])
 def test_buffer_sync_at_construction_and_forward_matches_torch(world2, case):
@@ -511,6 +551,14 @@ def test_hook_returning_no_future_is_a_runtime_error_naming_the_hook(world2):
         assert "RuntimeError" in classes and "_returns_int returned int" in message
 
 
+def test_a_hooks_own_error_is_raised_as_it_is_like_torch(world2):
+    for r in world2:
+        for name in ("torch", "lockstep"):
+            kind, classes, message = r["hooks"][f"own_error_{name}"]
+            assert kind == "raised" and classes[0] == "ValueError" and message == "bug in my hook", (
+                name, classes, message)
+
+
 # ---- 5. ranks that differ -------------------------------------------------------------------
 def test_differing_models_raise_runtime_and_value_error_on_every_rank(world2):
     for r in world2:
@@ -519,6 +567,9 @@ def test_differing_models_raise_runtime_and_value_error_on_every_rank(world2):
             kind, classes, message = r["mismatch"][key]
             assert kind == "raised" and text in message
             assert {"ReplicaMismatchError", "RuntimeError", "ValueError"} <= set(classes)
+        kind, classes, message = r["mismatch"]["frozen"]
+        assert kind == "raised" and "ReplicaMismatchError" in classes
+        assert "parameter '2.weight' has requires_grad=False, rank 0 has requires_grad=True" in message
 
 
 # ---- 6. pickle and deepcopy -------------------------------------------------------------------
@@ -537,6 +588,8 @@ def test_state_dict_loads_both_ways(world2):
         assert prefixed == torch_keys and [f"module.{k}" for k in our_keys] == torch_keys
         assert r["state_dicts"]["into_torch"] and r["state_dicts"]["into_bare"]
         assert r["state_dicts"]["from_torch"]
+        assert r["state_dicts"]["module_child"] == ["ok", "ok", "ok"]
+        assert r["state_dicts"]["module_child_equal"]
 
 
 # ---- 8. bad input, at a world of one --------------------------------------------------------

@@ -132,6 +132,42 @@ def test_resnet_blocks_train_mode_match_the_module_run_chunk_by_chunk():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+class _NoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.table * 2
+
+
+def test_a_forward_without_arguments_runs_once_like_torch():
+    ours, theirs = DataParallel(_NoInputs(), device_ids=CPU2), torch.nn.DataParallel(_NoInputs())
+    for wrapper in (ours, theirs):
+        wrapper().sum().backward()
+    assert ours().shape == theirs().shape == (3, 4)  # one call, not one per device concatenated
+    assert torch.equal(ours.module.table.grad, theirs.module.table.grad)
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.module = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_model_whose_child_is_named_module_loads_its_own_state_dict():
+    ours = DataParallel(_Holder(), device_ids=CPU2)
+    theirs = torch.nn.DataParallel(_Holder())
+    for saved in (ours.state_dict(), theirs.state_dict(), _Holder().state_dict()):
+        ours.load_state_dict(saved)  # bare keys "module.weight", torch's "module.module.weight"
+    assert torch.equal(ours.module.module.weight, theirs.module.module.weight)
+
+
 def test_buffers_registered_as_none_stay_none_in_replicas():
     class WithNoneBuffer(nn.Linear):
         def __init__(self) -> None:
