@@ -24,6 +24,8 @@ How the global order is built, for epoch ``e`` and world size ``W``:
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -89,12 +91,16 @@ class DistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        checked: list[int | None] = []
         for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
                 raise TypeError(
                     f"{name} must be an int, got {type(value).__name__} {value!r}"
                     + (f" (pass {name}={int(value)})" if str(value).isdigit() else "")
                 )
+            checked.append(None if value is None else operator.index(value))  # NumPy ints too
+        num_replicas, rank = checked[0], checked[1]
+        seed = operator.index(seed)
         if num_replicas is None or rank is None:
             world, this_rank = world_from_context()
             num_replicas = world if num_replicas is None else num_replicas

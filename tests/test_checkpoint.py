@@ -601,6 +601,29 @@ def test_nested_wrapper_prefixes_are_stripped(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values()))
 
 
+class _Holder(torch.nn.Module):
+    """An EMA-style wrapper whose only child is named ``module``: its own keys start with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(2, 2)
+
+
+def test_a_model_whose_child_is_named_module_restores_its_own_keys(tmp_path):
+    model = _Holder()
+    ckpt = Checkpointer(tmp_path / "c")
+    ckpt.save(1, model=model, blocking=True)
+    target = _Holder()
+    assert Checkpointer(tmp_path / "c").restore(model=target) is not None
+    torch.save(model.state_dict(), tmp_path / "own.pt")
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "ddp.pt")
+    for name in ("own.pt", "ddp.pt"):  # its own keys as they are; torch DDP's lose one prefix
+        other = _Holder()
+        lockstep.load_weights(other, tmp_path / name)
+        assert torch.equal(other.module.weight, model.module.weight)
+    assert torch.equal(target.module.weight, model.module.weight)
+
+
 def test_damaged_safetensors_is_a_checkpoint_error(tmp_path):
     bad = tmp_path / "w.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

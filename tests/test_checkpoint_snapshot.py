@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import torch
 
+import lockstep
 from lockstep.checkpoint import tensorfile
 from lockstep.checkpoint.snapshot import Snapshot
 
@@ -135,3 +136,27 @@ def test_a_large_state_is_cut_into_arenas_of_a_bounded_size(monkeypatch):
     arenas = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(out) if t.numel()}
     assert sorted(arenas.values()) == [12, 224, 400]  # 40 + 160 bytes (aligned at 64) / 400 alone / 12
     assert _storages(out["state.pt"]) == 3 and snapshot.nbytes == 636
+
+
+def test_keys_that_would_join_to_one_path_stay_apart(tmp_path):
+    # "loss/train" next to {"loss": {"train": ...}}, and 0 next to "0": each value comes back.
+    extra = {"loss/train": torch.tensor([1.0]), "loss": {"train": torch.tensor([2.0, 3.0])},
+             "a": {0: torch.tensor([4.0]), "0": torch.tensor([5.0])}}
+    ckpt = lockstep.Checkpointer(tmp_path)  # asynchronous: through the snapshot
+    ckpt.save(1, extra=extra)
+    ckpt.wait()
+    _same(lockstep.Checkpointer(tmp_path).restore().extra, extra)
+
+
+def test_a_restored_tensor_holds_its_own_memory_not_the_files_block(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    ckpt = lockstep.Checkpointer(tmp_path)
+    ckpt.save(1, model=model, optimizer=optimizer, extra={"best": torch.tensor(0.5)})
+    ckpt.wait()
+    restored = lockstep.checkpoint.load_file(next(tmp_path.glob("step_*")) / "state.pt")
+    for tensor in _tensors(restored):
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    assert ckpt.snapshot_bytes > 4 * 64 * 64 * 3  # the snapshot itself is one block per file

@@ -82,6 +82,14 @@ def test_defaults_come_from_the_launcher_environment(monkeypatch):
     assert list(sampler) == [2, 6]
 
 
+def test_numpy_integers_are_accepted_as_torch_accepts_them():
+    import numpy as np
+
+    ours = DistributedSampler(range(5), num_replicas=np.int64(2), rank=np.int64(1), seed=np.int32(0))
+    theirs = torch.utils.data.DistributedSampler(range(5), num_replicas=np.int64(2), rank=np.int64(1))
+    assert list(ours) == list(theirs) and type(ours.num_replicas) is int
+
+
 def test_errors_name_the_culprit():
     with pytest.raises(ValueError, match=r"rank 3 is outside \[0, 3\)"):
         DistributedSampler(range(8), num_replicas=3, rank=3)

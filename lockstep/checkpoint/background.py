@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,7 @@ class BackgroundSave:
         deferred: the snapshot's copies still to do (``Snapshot.take``), if any.
         alive: each rank's liveness file (:func:`hold_liveness`; ``None``: it has none), by
             which rank 0 stops waiting for a rank whose process has ended.
+        split: the snapshot's blocks, whose tensors are each written as a storage of its own.
     """
 
     def __init__(
@@ -107,10 +108,12 @@ class BackgroundSave:
         copy: Callable[[str, bytes | memoryview], None] | None = None,
         deferred: DeferredCopy | None = None,
         alive: Sequence[str | None] = (),
+        split: Collection[int] = (),
     ) -> None:
         self.staging, self.final, self.rank, self.world = staging, final, rank, world
         self._files, self._publish, self._attempt = files, publish, attempt
         self._copy = copy
+        self._split = split  # the snapshot's blocks (Snapshot.blocks)
         self._alive = list(alive)
         self._asked = -1  # the last rank whose liveness rank 0 asked about
         self._deferred = deferred if deferred is not None else DeferredCopy([], [])
@@ -146,7 +149,7 @@ class BackgroundSave:
 
     def _write(self) -> None:
         self._deferred.run()
-        write_files(self.staging, self._files, self._copy)
+        write_files(self.staging, self._files, self._copy, self._split)
 
     def _run(self) -> None:
         began = time.thread_time()

@@ -17,6 +17,7 @@ import io
 import os
 import zlib
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -94,14 +95,15 @@ def _header(digest: bytes, length: int, magic: bytes = _MAGIC) -> bytes:
 _HEADER_SIZE = len(_header(b"0" * 8, 0))
 
 
-def encode(obj: Any) -> memoryview:
+def encode(obj: Any, split: Collection[int] = ()) -> memoryview:
     """Serialise ``obj`` and prefix it with the header that lets :func:`decode` verify it.
 
     The result is a view of the one buffer the payload was encoded into (no copy of it).
+    ``split``: as :func:`tensorfile.plan`'s (the snapshot's blocks).
     """
     buffer = io.BytesIO()
     buffer.write(bytes(_HEADER_SIZE))
-    lean = tensorfile.plan(obj)
+    lean = tensorfile.plan(obj, split)
     if lean is not None:
         for piece in lean.pieces():
             buffer.write(piece)
@@ -304,7 +306,7 @@ class _Streamed:
             raise
 
 
-def save_atomic(path: Path, obj: Any) -> None:
+def save_atomic(path: Path, obj: Any, split: Collection[int] = ()) -> None:
     """Encode ``obj`` as :func:`encode` does, straight into ``path`` (either absent or complete).
 
     ``torch.save`` streams into ``path.tmp`` behind a header of fixed width, which is filled in
@@ -321,7 +323,7 @@ def save_atomic(path: Path, obj: Any) -> None:
         try:
             _write_fully(fd, bytes(_HEADER_SIZE))
             sink = _Streamed(fd)
-            lean = tensorfile.plan(obj)
+            lean = tensorfile.plan(obj, split)
             if lean is not None:
                 for piece in lean.pieces():
                     sink.write(piece)

@@ -508,6 +508,7 @@ class Checkpointer:
             self._pending = BackgroundSave(
                 staging, final, rank, world, files, publish_all,
                 self.timeout.total_seconds(), self._attempt, copy, later, alive_names,
+                self._snapshot.blocks(),
             )
             if budget is not None:
                 budget.taken(self._pending, budget.now() - started)

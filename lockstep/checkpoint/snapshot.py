@@ -33,6 +33,16 @@ _ALIGN = 64  # where each buffer starts in its file's arena (any dtype's alignme
 _ARENA_BYTES = 64 * 2**20  # the most one arena holds (a power of two: see Snapshot._lay_out)
 
 
+# Where a tensor sits in a save: the file, then each key or index on the way (kept apart, not
+# joined: "loss/train" and {"loss": {"train": ...}}, or 0 and "0", are different places).
+Path = tuple[Any, ...]
+
+
+def path_name(path: Path) -> str:
+    """``path`` for a message: ``state.pt/objects/model/0.weight``."""
+    return "/".join(map(str, path))
+
+
 class _Misfit(Exception):
     """A tensor has no buffer of its path, shape and dtype: the arenas are laid out again."""
 
@@ -44,7 +54,7 @@ class _Walk:
 
     def __init__(self, defer: Collection[tuple[torch.device, int]]) -> None:
         self.defer = defer
-        self.used: dict[str, torch.Tensor] = {}  # path -> the buffer this save copies into
+        self.used: dict[Path, torch.Tensor] = {}  # path -> the buffer this save copies into
         self.now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA copies save() waits for
         self.here: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # CPU: sources, buffers
         self.later: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # DeferredCopy's
@@ -62,9 +72,16 @@ class Snapshot:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[Path, torch.Tensor] = {}
+        self._arenas: list[torch.Tensor] = []
         self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device
         self.nbytes = 0  # bytes of host memory held by the snapshot's buffers
+
+    def blocks(self) -> frozenset[int]:
+        """The memory (``data_ptr``) of the blocks the buffers are views of: the encoding
+        writes each buffer as a storage of its own (``tensorfile.plan``'s ``split``), so a
+        restored tensor does not keep a whole file's block alive."""
+        return frozenset(arena.untyped_storage().data_ptr() for arena in self._arenas)
 
     def take(
         self, files: Mapping[str, Any], defer: Collection[tuple[torch.device, int]] = (), step: int | None = None
@@ -103,7 +120,7 @@ class Snapshot:
     def _walk(self, files: Mapping[str, Any],
               defer: Collection[tuple[torch.device, int]]) -> tuple[dict[str, Any], _Walk]:
         walk = _Walk(defer)
-        out = {name: self._copy(value, name, walk) for name, value in files.items()}
+        out = {name: self._copy(value, (name,), walk) for name, value in files.items()}
         if len(walk.used) != len(self._buffers):
             raise _Misfit("a tensor is gone")  # its arena would hold (and write) its bytes
         return out, walk
@@ -116,17 +133,19 @@ class Snapshot:
         a whole model's size could cost up to twice that; blocks of exactly a power of two cost
         what they hold.
         """
-        self._buffers, self.nbytes = {}, 0  # the old arenas go first
+        self._buffers, self._arenas, self.nbytes = {}, [], 0  # the old arenas go first
         for name, value in files.items():
-            specs: list[tuple[str, torch.Tensor]] = []
-            _tensors(value, name, specs)
+            specs: list[tuple[Path, torch.Tensor]] = []
+            _tensors(value, (name,), specs)
             pin = any(tensor.device.type == "cuda" for _, tensor in specs)
             for path, tensor in specs:
                 if not tensor.numel():  # no bytes: not in an arena (where it would need aligning)
                     self._buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype)
             for block in _blocks([(path, tensor) for path, tensor in specs if tensor.numel()]):
                 total = block[-1][2] + block[-1][1].numel() * block[-1][1].element_size()
-                arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+                # zeros: the bytes between buffers are written as the file's padding
+                arena = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+                self._arenas.append(arena)
                 for path, tensor, offset in block:
                     size = tensor.numel() * tensor.element_size()
                     self._buffers[path] = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
@@ -151,30 +170,30 @@ class Snapshot:
             streams.append(stream)
         return streams
 
-    def _copy(self, obj: Any, path: str, walk: _Walk) -> Any:
+    def _copy(self, obj: Any, path: Path, walk: _Walk) -> Any:
         # Immutable scalars inside a container are shared without a call or a path: a state has
         # hundreds (an optimizer's parameter indices, its hyperparameters), copied every save.
         if isinstance(obj, torch.Tensor):
             return self._copy_tensor(obj, path, walk)
         if isinstance(obj, dict):
-            copied = {k: v if type(v) in SCALARS else self._copy(v, f"{path}/{k}", walk)
+            copied = {k: v if type(v) in SCALARS else self._copy(v, (*path, k), walk)
                       for k, v in obj.items()}
             return type(obj)(copied) if type(obj) is not dict else copied
         if isinstance(obj, (list, tuple)):
-            items = [v if type(v) in SCALARS else self._copy(v, f"{path}/{i}", walk)
+            items = [v if type(v) in SCALARS else self._copy(v, (*path, i), walk)
                      for i, v in enumerate(obj)]
             return type(obj)(items)
         return obj
 
-    def _copy_tensor(self, tensor: torch.Tensor, path: str, walk: _Walk) -> torch.Tensor:
+    def _copy_tensor(self, tensor: torch.Tensor, path: Path, walk: _Walk) -> torch.Tensor:
         if tensor.requires_grad:  # (a state dict's tensors are detached already)
             tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            raise _Misfit(path)
+            raise _Misfit(path_name(path))
         walk.used[path] = buffer
         if walk.defer and storage_key(tensor) in walk.defer:
-            walk.later.append((path, tensor, buffer))  # copied by DeferredCopy, after save() returns
+            walk.later.append((path_name(path), tensor, buffer))  # copied by DeferredCopy, later
         elif tensor.device.type == "cuda":
             walk.now.append((tensor, buffer))  # queued together once the walk is done
         else:
@@ -194,23 +213,23 @@ class Snapshot:
 
 
 
-def _tensors(obj: Any, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
+def _tensors(obj: Any, path: Path, found: list[tuple[Path, torch.Tensor]]) -> None:
     """Append ``(path, tensor)`` for each tensor of ``obj``, in :meth:`Snapshot._copy`'s order
     and with its paths."""
     if isinstance(obj, torch.Tensor):
         found.append((path, obj))
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _tensors(v, f"{path}/{k}", found)
+            _tensors(v, (*path, k), found)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _tensors(v, f"{path}/{i}", found)
+            _tensors(v, (*path, i), found)
 
 
-def _blocks(specs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor, int]]]:
+def _blocks(specs: list[tuple[Path, torch.Tensor]]) -> list[list[tuple[Path, torch.Tensor, int]]]:
     """``specs`` cut into arenas of at most ``_ARENA_BYTES``, in order: each ``(path, tensor,
     offset in its arena)``; a tensor of more than ``_ARENA_BYTES`` is an arena alone."""
-    blocks: list[list[tuple[str, torch.Tensor, int]]] = []
+    blocks: list[list[tuple[Path, torch.Tensor, int]]] = []
     end = _ARENA_BYTES + 1  # no arena open yet
     for path, tensor in specs:
         size = tensor.numel() * tensor.element_size()

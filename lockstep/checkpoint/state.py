@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -72,15 +72,20 @@ def apply_state(name: str, obj: Any, state: Any, source: str) -> None:
         ) from exc
 
 
-def _strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
+def _strip_prefixes(state: Mapping[str, Any], expected: Iterable[str] = ()) -> dict[str, Any]:
+    """``state`` without the wrappers' prefixes, unless its keys are already ``expected``'s (a
+    model whose own child is named ``module``: its keys start with ``module.`` by right)."""
     state = dict(state)
+    wanted = set(expected)
     stripped = True
-    while stripped:  # nested wrappers, e.g. torch.compile(DDP(m)): "_orig_mod.module.w"
+    while stripped and not (wanted and set(state) <= wanted):
+        # nested wrappers, e.g. torch.compile(DDP(m)): "_orig_mod.module.w"
         stripped = False
         for prefix in _WRAPPER_PREFIXES:
             if state and all(key.startswith(prefix) for key in state):
                 state = {key[len(prefix):]: value for key, value in state.items()}
                 stripped = True
+                break
     return state
 
 
@@ -97,8 +102,8 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], source: str) ->
         CheckpointError: keys or shapes differ; the message lists them and names ``source``.
     """
     target = unwrap_model(model)
-    state = _strip_prefixes(state)
     expected = target.state_dict()
+    state = _strip_prefixes(state, expected)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     reshaped = sorted(

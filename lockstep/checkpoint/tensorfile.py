@@ -27,7 +27,7 @@ import pickle
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +40,9 @@ _LENGTH = struct.Struct("<Q")
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, set, frozenset, dict,
                     collections.OrderedDict, list, tuple})
 _TAG = "lockstep-tensor"
+# What one storage of the file is: (storage, first byte, bytes): all of a tensor's storage, or
+# the part of a block that one of the snapshot's buffers holds (see ``plan``'s ``split``).
+Segment = tuple[torch.UntypedStorage, int, int]
 
 
 def _memory(storage: torch.UntypedStorage) -> memoryview:
@@ -75,10 +78,11 @@ class _Pickler(pickle.Pickler):
     ids by earlier versions still load (:class:`_Unpickler`).
     """
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, split: Collection[int] = ()) -> None:
         super().__init__(file, protocol=4)
-        self.storages: list[torch.UntypedStorage] = []
-        self._index: dict[int, int] = {}
+        self.storages: list[Segment] = []
+        self._index: dict[tuple[int, int], int] = {}
+        self._split = split
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
@@ -94,45 +98,65 @@ class _Pickler(pickle.Pickler):
                 or any(getattr(obj, "names", ()))):  # named tensors (torch < 2.13): torch.save refuses them
             raise _NotPlain("tensor")
         storage = obj.untyped_storage()
-        size = storage.nbytes()
-        key = storage.data_ptr()
+        start, size, offset = 0, storage.nbytes(), int(obj.storage_offset())
+        if size and storage.data_ptr() in self._split and obj.is_contiguous():
+            # One of the snapshot's buffers, a piece of a block shared with the others: its
+            # own bytes are its storage, so a restored tensor holds its own memory only.
+            start, size, offset = offset * obj.element_size(), obj.numel() * obj.element_size(), 0
+        key = (storage.data_ptr(), start)
         index = self._index.get(key) if size else None
-        if index is None or self.storages[index].nbytes() != size:
+        if index is None or self.storages[index][2] != size:
             index = len(self.storages)
-            self.storages.append(storage)
+            self.storages.append((storage, start, size))
             if size:
                 self._index[key] = index
         dtype = str(obj.dtype).removeprefix("torch.")
-        return (_TAG, index, size, dtype, obj.storage_offset(), tuple(obj.shape),
-                obj.stride(), obj.requires_grad)
+        return (_TAG, index, size, dtype, offset, tuple(obj.shape), obj.stride(), obj.requires_grad)
 
 
 class Plan:
     """What encoding one state writes: :meth:`pieces` yields its bytes in order, the storages'
     as views of the tensors' own memory. Holds the tensors until dropped."""
 
-    def __init__(self, header: bytes, storages: list[torch.UntypedStorage]) -> None:
+    def __init__(self, header: bytes, storages: list[Segment]) -> None:
         self._header, self._storages = header, storages
 
     def pieces(self) -> Iterator[bytes | memoryview]:
+        """The bytes in order. Storages that lie back to back in one block of memory, each
+        64-byte aligned there as in the file (the snapshot's buffers), go out as one piece:
+        the bytes between them are the block's (zeros), where the file has its padding."""
         offset = len(self._header)
         yield self._header
-        for storage in self._storages:
+        run: tuple[torch.UntypedStorage, int, int] | None = None  # block, start, end
+        for storage, start, size in self._storages:
             pad = _padding(offset)
-            if pad:
-                yield bytes(pad)
-            view = _memory(storage)
-            if len(view):
-                yield view
-            offset += pad + len(view)
+            if (run is not None and size and start == run[2] + pad
+                    and storage.data_ptr() == run[0].data_ptr()):  # the same block
+                run = (storage, run[1], start + size)
+            else:
+                if run is not None:
+                    yield _memory(run[0])[run[1]:run[2]]
+                    run = None
+                if pad:
+                    yield bytes(pad)
+                if size:
+                    run = (storage, start, start + size)
+            offset += pad + size
+        if run is not None:
+            yield _memory(run[0])[run[1]:run[2]]
 
 
-def plan(obj: Any) -> Plan | None:
+def plan(obj: Any, split: Collection[int] = ()) -> Plan | None:
     """The lean encoding of ``obj``, or ``None`` where it holds more than plain containers,
-    scalars and dense CPU tensors (write it with ``torch.save`` then)."""
+    scalars and dense CPU tensors (write it with ``torch.save`` then).
+
+    ``split``: the memory (``data_ptr`` of storages) of blocks holding many tensors side by
+    side, each written as a storage of its own (a contiguous tensor's own bytes), not the
+    whole block: :class:`~lockstep.checkpoint.snapshot.Snapshot`'s arenas.
+    """
     buffer = io.BytesIO()
     buffer.write(_LENGTH.pack(0))
-    pickler = _Pickler(buffer)
+    pickler = _Pickler(buffer, split)
     try:
         pickler.dump((sys.byteorder, obj))
     except _NotPlain:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +98,19 @@ def collect_rank_files(
 
 
 def write_files(
-    staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes | memoryview], None] | None = None
+    staging: Path, files: Mapping[str, Any], copy: Callable[[str, bytes | memoryview], None] | None = None,
+    split: Collection[int] = (),
 ) -> None:
     """Encode (checksummed) and write each of ``files`` into ``staging`` atomically; ``copy``,
     if given, receives each file's name and bytes first (the shared-memory copy). Without
-    ``copy`` each file is streamed to the disk as it is encoded (no copy of it in memory)."""
+    ``copy`` each file is streamed to the disk as it is encoded (no copy of it in memory).
+    ``split``: the snapshot's blocks (``Snapshot.blocks``), whose tensors are written each as
+    a storage of its own."""
     for name, content in files.items():
         if copy is None:
-            save_atomic(staging / name, content)
+            save_atomic(staging / name, content, split)
             continue
-        data = encode(content)
+        data = encode(content, split)
         copy(name, data)
         write_atomic(staging / name, data)
 
