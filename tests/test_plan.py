@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -30,6 +31,7 @@ from lockstep.plan import (
     simulate_buckets,
 )
 from lockstep.plan.costs import ring_allreduce, tree_allreduce
+from lockstep.plan.workload import MB, synthetic_buckets
 
 GB = 1e9
 
@@ -292,6 +294,55 @@ def test_cli_what_if_and_errors(capsys):
     assert "--params" in capsys.readouterr().err
     assert main(["plan", "missing.json"]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--params", "inf", "--step-time", "0.1"], "argument --params: 'inf' is not a positive finite"),
+    (["--params", "125M", "--step-time", "nan"], "argument --step-time: 'nan' is not a positive"),
+    (["--params", "125M", "--step-time", "0.1", "--batch-size", "-4"], "'-4' is not a positive integer"),
+    (["--params", "125M", "--step-time", "0.1", "--gpu-memory", "0"], "argument --gpu-memory"),
+    (["--params", "1e30", "--step-time", "0.1"], "at most 2e+12"),  # was a loop without end
+    (["--params", "125M", "--step-time", "0.1", "--json", "no/such/dir/plan.json"],
+     "cannot write --json no/such/dir/plan.json"),
+])
+def test_cli_refuses_values_it_cannot_price_naming_the_flag(argv, text, capsys):
+    with contextlib.suppress(SystemExit):  # argparse's own errors exit with 2
+        assert main(["plan", *argv, "--gpus", "8", "--strategies", "ddp"]) == 2
+    assert text in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda d: d["phases"].update(forward=None), "field phases.forward must be a finite number"),
+    (lambda d: d["phases"].update(forward=float("nan")), "field phases.forward must be a finite"),
+    (lambda d: d.update(model=[]), "field model must be an object"),
+    (lambda d: d["model"].update(trainable_parameters="1M"), "model.trainable_parameters must be a whole"),
+    (lambda d: d.update(batch_size_per_rank=0), "batch_size_per_rank must be a positive integer"),
+    (lambda d: d.update(buckets=[{"bytes": None, "ready": 0.1}]), "buckets[0].bytes must be"),
+])
+def test_profile_fields_of_the_wrong_kind_name_the_file_and_field(tmp_path, change, text):
+    doc = profile_doc()
+    change(doc)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError) as caught:
+        load_profile(path)
+    assert str(path) in str(caught.value) and text in str(caught.value)
+
+
+def test_the_wait_for_the_slowest_rank_is_not_exposed_communication():
+    w = describe(125e6, step_time=0.1, batch_size=8)
+    result = plan(w, parse_topology("nvlink4:8,ib-ndr400"), [100_000], "ddp", intervals=True)
+    (p,) = result.predictions
+    wait = p.detail["straggler_s"]
+    assert wait > 0.1 * p.step_s and p.exposed_comm_s < wait  # the wait is its own column
+    assert p.binding == "the slowest of 100000 ranks"
+    assert "every link delivers its stated bandwidth" not in result.table()  # ranged by default
+
+
+def test_synthetic_buckets_are_counted_not_summed_on():
+    buckets = synthetic_buckets(4e12, 1.0)  # 160,000 buckets; adding 25 MB to 4e12 still moves
+    assert len(buckets) == 1 + math.ceil((4e12 - MB) / (25 * MB))
+    assert buckets[-1].ready == 1.0 and sum(b.nbytes for b in buckets) == pytest.approx(4e12)
 
 
 def test_cli_measure_link_puts_every_gpu_on_the_measured_link(tmp_path, capsys, monkeypatch):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import Any
 
 __all__ = ["add_plan_arguments", "parse_count", "run_plan"]
 
@@ -26,6 +28,24 @@ def parse_count(text: str) -> float:
         return float(t[:-1] if t[-1:] in _SUFFIX else t) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count like 125M or 1.3e9") from None
+
+
+def _number(kind: str, least: float, strict: bool, integer: bool = False) -> Any:
+    """An argparse type: a finite number above ``least`` (``strict``) or at least it."""
+    def parse(text: str) -> float:
+        try:
+            value = float(parse_count(text)) if not integer else int(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}")
+        return value
+    return parse
+
+
+_POSITIVE = _number("a positive finite number", 0.0, strict=True)
+_NON_NEGATIVE = _number("a finite number >= 0", 0.0, strict=False)
+_POSITIVE_INT = _number("a positive integer", 0, strict=True, integer=True)
 
 
 def _gpus(text: str) -> list[int]:
@@ -57,23 +77,23 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=None,
                         help="comma-separated: ddp, ddp-bf16, ddp-fp16, compress:R, zero1, zero2, "
                         "zero3, localsgd:H, diloco:H, dp (default: all but compress and diloco)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=_POSITIVE_INT, default=None,
                         help="per-GPU batch to predict for (compute rescaled from the profile's)")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
     parser.add_argument("--precision", default="auto", choices=["auto", "mixed", "fp32"],
                         help="model-state precision for memory (auto: from the gradient dtype)")
-    parser.add_argument("--gpu-memory", type=float, default=None, help="GB per GPU")
+    parser.add_argument("--gpu-memory", type=_POSITIVE, default=None, help="GB per GPU")
     parser.add_argument("--cpu-cores", type=int, default=None, metavar="N",
                         help="CPU profiles: cores per node, which the ranks and their "
                              "communication time-share (default: a core per rank)")
     what_if = parser.add_argument_group("what-if, without a profile")
-    what_if.add_argument("--params", type=parse_count, help="parameter count, e.g. 125M, 1.3B")
-    what_if.add_argument("--step-time", type=float, help="measured forward+backward seconds")
-    what_if.add_argument("--flops-per-sample", type=parse_count, help="training flops per sample")
-    what_if.add_argument("--gpu-tflops", type=float, help="peak TFLOP/s of one GPU")
+    what_if.add_argument("--params", type=_POSITIVE, help="parameter count, e.g. 125M, 1.3B")
+    what_if.add_argument("--step-time", type=_POSITIVE, help="measured forward+backward seconds")
+    what_if.add_argument("--flops-per-sample", type=_POSITIVE, help="training flops per sample")
+    what_if.add_argument("--gpu-tflops", type=_POSITIVE, help="peak TFLOP/s of one GPU")
     what_if.add_argument("--mfu", type=float, default=0.4, help="share of peak reached (0.4)")
     what_if.add_argument("--dtype", default="bfloat16", help="gradient dtype (bfloat16)")
-    what_if.add_argument("--optimizer-time", type=float, default=0.0, help="seconds per step")
+    what_if.add_argument("--optimizer-time", type=_NON_NEGATIVE, default=0.0, help="seconds per step")
     what_if.add_argument("--buffer-bytes", type=parse_count, default=0.0,
                          help="bytes of module buffers (BatchNorm statistics) DDP broadcasts "
                          "before every forward, e.g. 40k (default 0)")
@@ -150,8 +170,13 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(result.table())
         if args.json_path:
-            with open(args.json_path, "w", encoding="utf-8") as f:
-                json.dump(result.to_dict(), f, indent=1)
+            try:
+                with open(args.json_path, "w", encoding="utf-8") as f:
+                    json.dump(result.to_dict(), f, indent=1)
+            except OSError as err:
+                print(f"lockstep plan: error: cannot write --json {args.json_path}: {err}",
+                      file=sys.stderr)
+                return 2
             print(f"\nwrote {args.json_path}")
     if args.png_path:
         try:
@@ -162,4 +187,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise
             print(f"skipped {args.png_path}: matplotlib is not installed (pip install matplotlib)",
                   file=sys.stderr)
+        except (OSError, ValueError) as err:  # a folder that is not there, an unknown extension
+            print(f"lockstep plan: error: cannot write --png {args.png_path}: {err}",
+                  file=sys.stderr)
+            return 2
     return 0

@@ -257,11 +257,12 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     extra = sum(c.seconds for c in outside)
     link_s += extra
     exposed_total = exposed + extra + (forward - workload.forward)
+    # The wait for the slowest rank is its own column (detail["straggler_s"]), not
+    # communication: "exposed" is the communication nothing hid.
     wait = _straggler_wait(workload, world, options)
-    exposed_total += wait
     step = (workload.data + forward + workload.backward + exposed + optimizer + extra
             + workload.other + wait)
-    shared = _shared_cores(workload, options, per_node, step - exposed_total - workload.data,
+    shared = _shared_cores(workload, options, per_node, step - exposed_total - wait - workload.data,
                            _cpu_work(costs + outside, topo) + copies)
     if shared is not None and shared > step:
         exposed_total += shared - step
@@ -273,6 +274,8 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
     fits = options.gpu_memory is None or memory.total <= options.gpu_memory
     all_costs = costs + outside
     binding = _binding(workload, step, exposed_total, all_costs, fits)
+    if fits and step > 0 and wait / step >= 0.1 and wait > exposed_total:
+        binding = f"the slowest of {world} ranks"
     if shared is not None and shared >= step and fits:
         binding = f"cpu cores ({per_node} ranks on {options.cpu_cores})"
     algorithm = max(all_costs, key=lambda c: c.seconds).algorithm if all_costs else "none"

@@ -102,7 +102,9 @@ def plan(workload: Workload, topology: Topology, gpus: Sequence[int],
     not_modelled: tuple[str, ...] = NOT_MODELLED
     if intervals:
         assumptions += _ranged_assumptions(workload, options)
-        not_modelled = tuple(n for n in NOT_MODELLED if not n.startswith("stragglers"))
+        # ranged: the wait for the slowest rank and the transports' achievable bandwidth are in
+        not_modelled = tuple(n.replace("; every link delivers its stated bandwidth", "")
+                             for n in NOT_MODELLED if not n.startswith("stragglers"))
     return Plan(workload, topology, predictions, assumptions, not_modelled)
 
 

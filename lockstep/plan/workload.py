@@ -70,13 +70,17 @@ class Workload:
     step_cv: float | None = None
 
     def __post_init__(self) -> None:
-        if self.parameters <= 0:
-            raise ValueError(f"parameter count must be positive, got {self.parameters}")
+        if not 0 < self.parameters <= MAX_PARAMETERS:
+            raise ValueError(f"parameter count must be positive and at most {MAX_PARAMETERS:.0e} "
+                             f"(the planner prices DDP's buckets one by one), got {self.parameters}")
         if self.grad_dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.grad_dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
         for name in ("forward", "backward", "optimizer", "data", "other"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} time must be >= 0 s, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} time must be a finite number of seconds >= 0, got "
+                                 f"{getattr(self, name)}")
+        if self.batch_size is not None and not (type(self.batch_size) is int and self.batch_size > 0):
+            raise ValueError(f"batch size must be a positive int, got {self.batch_size!r}")
         if not all(math.isfinite(b) and b >= 0 for b in self.buffer_broadcasts):
             raise ValueError(f"buffer broadcast sizes must be finite bytes >= 0, got "
                              f"{list(self.buffer_broadcasts)}")
@@ -120,14 +124,20 @@ def synthetic_buckets(grad_bytes: float, backward: float, cap_bytes: float = 25 
                          f"{last_bytes}")
     body = grad_bytes - last_bytes
     buckets: list[Bucket] = []
-    done = 0.0
-    while done < body:
-        size = min(first_cap_bytes if not buckets else cap_bytes, body - done)
-        done += size
-        buckets.append(Bucket(size, backward * done / body))
+    if body > 0:  # the first bucket, then full ones, then the rest (counted, not summed on)
+        ends = [min(first_cap_bytes, body)]
+        full = math.ceil((body - ends[0]) / cap_bytes) if body > ends[0] else 0
+        ends += [min(ends[0] + k * cap_bytes, body) for k in range(1, full + 1)]
+        buckets = [Bucket(end - start, backward * end / body)
+                   for start, end in zip([0.0, *ends], ends)]
     if last_bytes > 0:
         buckets.append(Bucket(last_bytes, backward))
     return tuple(buckets)
+
+
+# The most parameters a plan prices: DDP's 25 MB buckets are priced one by one (1e12 bf16
+# gradients are 80,000 buckets, about 90 s of pricing on a laptop-class core).
+MAX_PARAMETERS = 2e12
 
 
 def describe(parameters: float, *, step_time: float | None = None,
@@ -155,11 +165,25 @@ def describe(parameters: float, *, step_time: float | None = None,
     Forward takes a third of the compute and backward two thirds (backward computes gradients
     with respect to both activations and weights).
     """
+    for name, value in (("parameters", parameters), ("step_time", step_time),
+                        ("flops_per_sample", flops_per_sample), ("gpu_flops", gpu_flops),
+                        ("utilization", utilization), ("optimizer_time", optimizer_time),
+                        ("data_time", data_time), ("buffer_bytes", buffer_bytes),
+                        ("input_parameters", input_parameters)):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+    if not 0 < parameters <= MAX_PARAMETERS:
+        raise ValueError(f"parameters must be positive and at most {MAX_PARAMETERS:.0e}, got {parameters}")
+    if not (type(batch_size) is int and batch_size > 0):
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if (step_time is None) == (flops_per_sample is None):
         raise ValueError("give either step_time (seconds) or flops_per_sample (with gpu_flops)")
     if step_time is None:
-        if not gpu_flops or gpu_flops <= 0:
+        if gpu_flops is None:
             raise ValueError("flops_per_sample needs gpu_flops, the GPU's peak flop/s")
+        if gpu_flops <= 0 or flops_per_sample <= 0:  # type: ignore[operator]
+            raise ValueError(f"flops_per_sample and gpu_flops must be positive, got "
+                             f"{flops_per_sample} and {gpu_flops}")
         if not 0 < utilization <= 1:
             raise ValueError(f"utilization must be in (0, 1], got {utilization}")
         step_time = float(flops_per_sample) * batch_size / (gpu_flops * utilization)  # type: ignore[arg-type]
@@ -203,7 +227,7 @@ def load_profile(path: str | Path) -> Workload:
             doc = json.load(f)
     except FileNotFoundError:
         raise ProfileError(f"{path}: no such profile file") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProfileError(f"{path}: not JSON ({err})") from None
     if _need(doc, "format", "", path) != "lockstep-profile":
         raise ProfileError(f"{path}: format is {doc['format']!r}, expected 'lockstep-profile'")
@@ -211,22 +235,35 @@ def load_profile(path: str | Path) -> Workload:
         raise ProfileError(f"{path}: profile version {doc['version']!r}; this planner reads version 1")
     _need(doc, "world_size", "", path)
     model, phases = _need(doc, "model", "", path), _need(doc, "phases", "", path)
-    for key in ("forward", "backward"):
-        _need(phases, key, "phases.", path)
-    trainable = model.get("trainable_parameters", _need(model, "parameters", "model.", path))
+    for name, part in (("model", model), ("phases", phases)):
+        if not isinstance(part, dict):
+            raise ProfileError(f"{path}: field {name} must be an object, got {part!r}")
+    times = {key: _number(_need(phases, key, "phases.", path) if key in ("forward", "backward")
+                          else phases.get(key, 0.0), f"phases.{key}", path)
+             for key in ("data", "forward", "backward", "optimizer", "exposed_comm")}
+    if "trainable_parameters" in model:
+        trainable = _number(model["trainable_parameters"], "model.trainable_parameters", path, True)
+    else:
+        trainable = _number(_need(model, "parameters", "model.", path), "model.parameters", path, True)
     dtype = str(model.get("dtype", "float32")).replace("torch.", "")
-    buckets = tuple(Bucket(float(_need(b, "bytes", f"buckets[{i}].", path)),
-                           float(_need(b, "ready", f"buckets[{i}].", path)))
-                    for i, b in enumerate(doc.get("buckets") or []))
+    raw_buckets = doc.get("buckets") or []
+    if not isinstance(raw_buckets, list):
+        raise ProfileError(f"{path}: field buckets must be a list, got {raw_buckets!r}")
+    buckets = tuple(Bucket(_number(_need(b, "bytes", f"buckets[{i}].", path), f"buckets[{i}].bytes", path),
+                           _number(_need(b, "ready", f"buckets[{i}].", path), f"buckets[{i}].ready", path))
+                    for i, b in enumerate(raw_buckets))
     link = None
     if isinstance(doc.get("link"), dict) and {"alpha", "beta"} <= set(doc["link"]):
-        link = Link("measured", float(doc["link"]["alpha"]), float(doc["link"]["beta"]),
-                    f"measured ({path})")
+        link = Link("measured", _number(doc["link"]["alpha"], "link.alpha", path),
+                    _number(doc["link"]["beta"], "link.beta", path), f"measured ({path})")
+    batch = doc.get("batch_size_per_rank")
+    if batch is not None and (type(batch) is not int or batch < 1):
+        raise ProfileError(f"{path}: field batch_size_per_rank must be a positive integer or "
+                           f"null, got {batch!r}")
     device = str(doc.get("device") or "cpu")
-    known = sum(float(phases.get(k, 0.0)) for k in ("data", "forward", "backward", "optimizer",
-                                                    "exposed_comm"))
+    known = sum(times.values())
     # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
-    other = max(0.0, float(phases.get("step", known)) - known)
+    other = max(0.0, _number(phases.get("step", known), "phases.step", path) - known)
     notes: tuple[str, ...] = ()
     if not buckets:
         notes += (("synthetic buckets: the profile lists none (world 1?), so DDP's 1 MB + 25 MB "
@@ -237,24 +274,35 @@ def load_profile(path: str | Path) -> Workload:
                    "buffer broadcast before each forward is not priced"),)
     return Workload(
         parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
-        forward=float(phases["forward"]), backward=float(phases["backward"]),
-        optimizer=float(phases.get("optimizer", 0.0)), data=float(phases.get("data", 0.0)),
-        other=other, batch_size=doc.get("batch_size_per_rank"), buckets=_checked(buckets, path),
+        forward=times["forward"], backward=times["backward"],
+        optimizer=times["optimizer"], data=times["data"],
+        other=other, batch_size=batch, buckets=_checked(buckets, path),
         device=device.split(":")[0], source=path, link=link, notes=notes,
-        buffer_broadcasts=broadcasts or (), step_cv=_per_rank_cv(doc),
+        buffer_broadcasts=broadcasts or (), step_cv=_per_rank_cv(doc, path),
     )
 
 
-def _per_rank_cv(doc: dict) -> float | None:
+def _number(value: Any, field: str, path: str, integer: bool = False) -> float:
+    """A profile's number: finite and >= 0 (an integer where ``integer``), else an error naming
+    the file and the field."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and value >= 0 and (not integer or float(value).is_integer()))
+    if not ok:
+        kind = "a whole number" if integer else "a finite number"
+        raise ProfileError(f"{path}: field {field} must be {kind} >= 0, got {value!r}")
+    return float(value)
+
+
+def _per_rank_cv(doc: dict, path: str = "profile") -> float | None:
     """Spread of forward + backward + optimizer over the profile's ``per_rank`` entries."""
     per_rank = doc.get("per_rank")
     if not isinstance(per_rank, list):
         return None
     times = []
-    for entry in per_rank:
+    for i, entry in enumerate(per_rank):
         phases = entry.get("phases") if isinstance(entry, dict) else None
         if isinstance(phases, dict):
-            times.append(sum(float(phases.get(k, 0.0) or 0.0)
+            times.append(sum(_number(phases.get(k, 0.0) or 0.0, f"per_rank[{i}].phases.{k}", path)
                              for k in ("forward", "backward", "optimizer")))
     return spread_of(times)
 
