@@ -103,3 +103,39 @@ def test_doctor_on_a_script_that_ends_before_its_step_count(tmp_path):
     assert "ideal 2.00x -> measured" in done.stdout
     assert {p.name for p in (out / "world2").glob("rank*.json")} == {"rank0.json", "rank1.json"}
     assert json.loads((out / "profile.json").read_text())["world_size"] == 2
+
+
+def test_doctor_names_a_missing_script_and_an_out_dir_it_cannot_make(tmp_path, capsys):
+    from lockstep.cli import main
+
+    common = ["doctor", "--nproc-per-node", "2", "--steps", "4", "--warmup", "1"]
+    assert main([*common, "--out-dir", str(tmp_path / "o"), str(tmp_path / "nope.py")]) == 2
+    assert "training script" in capsys.readouterr().err
+    script, taken = tmp_path / "train.py", tmp_path / "a-file"
+    script.write_text("print('never run')\n")
+    taken.write_text("")
+    assert main([*common, "--out-dir", str(taken), str(script)]) == 2
+    assert f"cannot write into --out-dir {taken}" in capsys.readouterr().err
+
+
+_NO_GROUP = """
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(20):
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_doctor_refuses_a_run_whose_workers_never_met(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(_NO_GROUP)
+    done = subprocess.run([sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "2",
+                           "--steps", "6", "--warmup", "2", "--out-dir", str(tmp_path / "o"),
+                           str(script)], check=False, capture_output=True, text=True, timeout=220,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "the 2-worker run recorded a world of 1" in done.stderr

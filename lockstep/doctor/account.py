@@ -161,8 +161,8 @@ def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Ac
             f"{exposed * 1e3:.1f} ms of all-reduce per step is not hidden{bw_text}: "
             "compress gradients for the wire (model.register_comm_hook(None, "
             "lockstep.bf16_compress_hook)) to halve the bytes")))
-        if bucket is not None and bucket["last_param"]:
-            cap = max(0.1, round(bucket["bytes"] / _MB / 4, 1))
+        cap = round(bucket["bytes"] / _MB / 4, 2) if bucket is not None else 0.0
+        if bucket is not None and bucket["last_param"] and cap >= 0.01:  # else one small tensor
             out.append(Action(gain(min(exposed, bucket["exposed_s"]) / 2), (
                 f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.2f} MB) is ready only when "
                 f"{bucket['last_param']} arrives, {bucket['ready_share']:.0%} into backward, "

@@ -128,7 +128,15 @@ def run_doctor(args: argparse.Namespace) -> int:
     worlds = [n] if args.no_baseline or n == 1 else [1, n]
     profiles: dict[int, dict[str, Any]] = {}
     for world in worlds:
-        rc = _launch(args, world, out / f"world{world}")
+        try:
+            rc = _launch(args, world, out / f"world{world}")
+        except ValueError as err:  # the script or a flag, as `lockstep run` names them
+            print(f"lockstep doctor: error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:  # --out-dir cannot be made (a file there, no permission)
+            print(f"lockstep doctor: error: cannot write into --out-dir {out}: {err}",
+                  file=sys.stderr)
+            return 2
         if rc != 0:
             print(f"lockstep doctor: the {world}-worker run failed (exit {rc}); see above",
                   file=sys.stderr)
@@ -137,6 +145,14 @@ def run_doctor(args: argparse.Namespace) -> int:
             profiles[world] = _profile_of(out / f"world{world}")
         except FileNotFoundError as err:
             print(f"lockstep doctor: error: {err}", file=sys.stderr)
+            return 1
+        recorded = profiles[world]["world_size"]
+        if recorded != world:
+            print(f"lockstep doctor: error: the {world}-worker run recorded a world of "
+                  f"{recorded}: its workers did not join one process group, so each trained "
+                  "alone. Start the process group in the script (lockstep.init_distributed() or "
+                  "torch.distributed.init_process_group()) and wrap the model in "
+                  "DistributedDataParallel", file=sys.stderr)
             return 1
     many = profiles[n]
     account: Account | None = None

@@ -275,6 +275,7 @@ class TorchDDPWatch:
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
         self.observers: list[DDPObserver] = []
+        self._warned_second = False  # a second torch DDP was named once (see _module_pre)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._depth = 0
         self._root: weakref.ref[nn.Module] | None = None
@@ -293,6 +294,17 @@ class TorchDDPWatch:
         if isinstance(module, TorchDDP) or module is single:
             self._seen.add(module)
             self._single = None
+            if isinstance(module, TorchDDP) and any(o.ddp is not None for o in self.observers):
+                # One profile per worker: a second model (a GAN's discriminator) would overwrite
+                # the first's rank file. Its forward, backward and all-reduce count as "other".
+                if not self._warned_second:
+                    self._warned_second = True
+                    logger.warning(
+                        "lockstep doctor: this worker runs a second torch DistributedDataParallel "
+                        "(%s, %s parameters); only the first one it ran is profiled, and the "
+                        "others' time counts as 'other'", type(module.module).__name__,
+                        f"{sum(p.numel() for p in module.parameters()):,}")
+                return
             observer = DDPObserver(module, self.settings)
             if observer.ddp is not None and not self.observers:
                 atexit.register(self._at_exit)
