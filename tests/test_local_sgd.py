@@ -121,6 +121,9 @@ def test_sync_every_must_be_positive(optimizer_env):
     model = _net()
     with pytest.raises(ValueError, match="sync_every must be at least 1"):
         LocalSGD(model, _sgd(model.parameters()), sync_every=0)
+    for bad in (2.5, float("nan"), True, "2"):  # 2.5 merged at step 5 only, nan never merged
+        with pytest.raises(TypeError, match="sync_every must be an int"):
+            LocalSGD(model, _sgd(model.parameters()), sync_every=bad)
 
 
 def test_load_state_dict_names_outer_optimizer_mismatch(optimizer_env):

@@ -72,6 +72,16 @@ class _Shift(nn.Module):
         return x + self.offset
 
 
+def test_without_a_target_uneven_micro_batches_are_weighted_by_their_size():
+    reference, model = _mlp(), _mlp()
+    pipe = lockstep.Pipeline(model, 4, loss_fn=lambda out: out.square().mean(), devices=CPUS3)
+    x, _ = _batches(1)[0]  # 10 samples: micro-batches of 3, 3, 2 and 2
+    reference(x).square().mean().backward()
+    pipe.step(x)
+    for ours, theirs in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def test_buffers_update_as_in_the_unsplit_model_run_on_the_same_micro_batches():
     def build():
         torch.manual_seed(3)
@@ -161,6 +171,11 @@ def test_balance_by_time_and_printable_schedule():
     assert format_schedule(pipe.schedule()) == (
         "stage 0: F0 F1 B0 B1\nstage 1: F0 B0 F1 B1"
     )
+
+
+def test_chunks_must_be_an_int():
+    with pytest.raises(TypeError, match="chunks must be an int .micro-batches per batch., got 2.0"):
+        lockstep.Pipeline(_mlp(), 2.0, loss_fn=F.mse_loss, devices=["cpu", "cpu"])  # type: ignore[arg-type]
 
 
 def test_errors_name_the_problem():

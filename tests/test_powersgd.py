@@ -25,12 +25,22 @@ STEPS = 60
             {"start_powersgd_iter": -1, "use_error_feedback": False, "warm_start": False},
             "start_powersgd_iter must be >= 0",
         ),
-        ({"min_compression_rate": 0.5}, "min_compression_rate must be >= 1"),
+        ({"min_compression_rate": 0.5}, "min_compression_rate must be a number >= 1"),
     ],
 )
 def test_state_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PowerSGDState(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"matrix_approximation_rank": 2.0},
+                                    {"matrix_approximation_rank": float("nan")},
+                                    {"start_powersgd_iter": 10.5}])
+def test_state_rejects_numbers_that_are_not_ints(kwargs):
+    with pytest.raises(TypeError, match="must be an int"):  # 2.0 crashed at the first compression
+        PowerSGDState(**kwargs)
+    with pytest.raises(ValueError, match="min_compression_rate must be a number >= 1"):
+        PowerSGDState(min_compression_rate=float("nan"))  # nan turned compression off
 
 
 # ---- multi-rank ---------------------------------------------------------------------------

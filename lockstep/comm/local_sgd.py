@@ -82,6 +82,8 @@ class LocalSGD:
         outer_optimizer: OuterOptimizerFactory | None = None,
         counter: ByteCounter | None = None,
     ) -> None:
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool):
+            raise TypeError(f"sync_every must be an int (steps between merges), got {sync_every!r}")
         if sync_every < 1:
             raise ValueError(
                 f"sync_every must be at least 1 (steps between merges), got {sync_every}"

@@ -68,6 +68,12 @@ class PowerSGDState:
         random_seed: int = 0,
         counter: ByteCounter | None = None,
     ) -> None:
+        for name, value in (("matrix_approximation_rank", matrix_approximation_rank),
+                            ("start_powersgd_iter", start_powersgd_iter)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if not min_compression_rate >= 1:  # NaN too
+            raise ValueError(f"min_compression_rate must be a number >= 1, got {min_compression_rate}")
         if matrix_approximation_rank < 1:
             raise ValueError(
                 f"matrix_approximation_rank must be at least 1, got {matrix_approximation_rank}"

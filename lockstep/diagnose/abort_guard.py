@@ -74,7 +74,10 @@ def _record_error(message: str) -> None:
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:
-        ErrorHandler().record_exception(CollectiveMismatchAbort(message))
+        try:  # raised, so that the error file holds a traceback, as @record's does
+            raise CollectiveMismatchAbort(message)
+        except CollectiveMismatchAbort as exc:
+            ErrorHandler().record_exception(exc)
     except Exception:  # dying anyway; the stderr line stays
         logger.debug("abort guard: could not write the error file", exc_info=True)
 

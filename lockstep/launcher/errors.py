@@ -159,6 +159,8 @@ def _from_process_failure(rank: int, pf: ProcessFailure, log_dir: str | None) ->
     if isinstance(message, dict):
         summary = str(message.get("message", ""))
         callstack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        if callstack.strip() == "NoneType: None":  # recorded without a traceback: its message
+            callstack = summary
     else:
         summary, callstack = str(message), ""
     exitcode = pf.exitcode
@@ -220,6 +222,8 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
         return f"left early: it exited{where} while its peers waited for it"
     if state == "gone":
         return f"was gone{where}; its peers waited for it in vain"
+    if own.summary:  # it raised an error of its own: it failed, it did not hang
+        return f"failed{where} with an error of its own while its peers waited for it"
     return f"hung{where}: its peers waited for it in vain"
 
 
@@ -263,7 +267,9 @@ def format_report(failures: list[Failure], attempts: int = 1) -> str:
     cause = failures[0]
     tries = f" after {attempts} attempts" if attempts > 1 else ""
     lines = [f"lockstep run: the job failed{tries}; every worker was stopped."]
-    who = f"rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid})"
+    known = [f"local rank {cause.local_rank}" if cause.local_rank >= 0 else "",
+             f"pid {cause.pid}" if cause.pid >= 0 else ""]  # -1: its peers could not say
+    who = f"rank {cause.rank}" + (f" ({', '.join(k for k in known if k)})" if any(known) else "")
     if cause.blame:
         by = ", ".join(map(str, cause.blamed_by))
         ended = "" if cause.exitcode == 0 else f"; it then ended with {cause.how()}"

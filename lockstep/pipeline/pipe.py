@@ -70,6 +70,8 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(chunks, int) or isinstance(chunks, bool):
+            raise TypeError(f"chunks must be an int (micro-batches per batch), got {chunks!r}")
         if chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {chunks}")
         get_schedule(schedule, 1, 1)  # fail on an unknown name now, not at the first step
@@ -214,7 +216,9 @@ class Pipeline(nn.Module):
         targets = _split(target, self.chunks, "target") if last and target is not None else None
         if targets is not None:
             targets = [_to(t, self.devices[-1]) for t in targets]
-        scales = _loss_scales(targets, self.chunks)
+        sizes = ([int(mb[0].shape[0]) for mb in microbatches] if microbatches is not None
+                 else None)
+        scales = _loss_scales(targets, self.chunks, sizes)
         self._runners = self._make_runners()
         schedule = self.schedule(training)
         if self.is_distributed:
@@ -268,9 +272,12 @@ def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if torch.is_tensor(value) else value
 
 
-def _loss_scales(targets: list | None, chunks: int) -> list[float]:
-    """Each micro-batch's share of the batch; equal shares when there is no target to count."""
-    if not targets:
+def _loss_scales(targets: list | None, chunks: int, sizes: list[int] | None = None) -> list[float]:
+    """Each micro-batch's share of the batch: counted on the targets, else on the inputs (this
+    process holds the first stage too), else equal shares (the last stage of a pipeline over
+    ranks without a target: exact when the batch divides into ``chunks`` equal parts)."""
+    counts = [t.shape[0] for t in targets] if targets else sizes
+    if not counts:
         return [1.0 / chunks] * chunks
-    total = sum(t.shape[0] for t in targets)
-    return [t.shape[0] / total for t in targets]
+    total = sum(counts)
+    return [n / total for n in counts]
