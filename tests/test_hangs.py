@@ -93,6 +93,36 @@ def test_rank_that_exited_early_is_the_root_cause(tmp_path, monkeypatch):
     assert exit_code_for(failures[0]) == 1
 
 
+def test_a_blamed_rank_that_raised_failed_and_did_not_hang(tmp_path, monkeypatch):
+    # The watchdog names missing ranks as "stuck"; one that raised its own error is not hung.
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: all_reduce timed out")
+    crashed = _failure(tmp_path, 1, 1, "ValueError: bad batch")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 1, "state": "stuck"}], "rank 0: rank(s) [1] did not arrive")
+    failures = failures_from(ChildFailedError("job", {0: waited, 1: crashed}))
+    report = format_report(failures)
+    assert ("Root cause: rank 1 (local rank 1, pid 101) failed with an error of its own while "
+            "its peers waited for it (named by rank(s) 0)") in report
+    assert "ValueError: bad batch" in report
+
+
+def test_a_rank_its_peers_name_without_pid_or_local_rank_shows_neither(tmp_path, monkeypatch):
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: all_reduce timed out")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 1, "state": "stuck"}], "rank 0: rank(s) [1] did not arrive")
+    report = format_report(failures_from(ChildFailedError("job", {0: waited})))
+    assert "Root cause: rank 1 left early" in report and "-1" not in report
+
+
+def test_an_error_file_without_a_traceback_shows_its_message(tmp_path):
+    failure = _failure(tmp_path, 0, 1, "CollectiveMismatchAbort: rank 1 entered 3")
+    payload = json.loads(Path(failure.error_file).read_text())
+    payload["message"]["extraInfo"]["py_callstack"] = "NoneType: None\n"  # never raised
+    Path(failure.error_file).write_text(json.dumps(payload))
+    report = format_report(failures_from(ChildFailedError("job", {0: failure})))
+    assert "NoneType: None" not in report and "rank 1 entered 3" in report
+
+
 def test_every_rank_raising_reports_an_exception_not_the_agents_sigterm(tmp_path):
     # Rank 0 raised first but was still exiting when the agent stopped everyone (SIGTERM).
     first = _failure(tmp_path, 0, -15, "ValueError: bad batch")

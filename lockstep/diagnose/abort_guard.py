@@ -74,10 +74,8 @@ def _record_error(message: str) -> None:
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:
-        try:  # raised, so that the error file holds a traceback, as @record's does
-            raise CollectiveMismatchAbort(message)
-        except CollectiveMismatchAbort as exc:
-            ErrorHandler().record_exception(exc)
+        # Never raised: its "traceback" is empty, and the launcher shows the message instead.
+        ErrorHandler().record_exception(CollectiveMismatchAbort(message))
     except Exception:  # dying anyway; the stderr line stays
         logger.debug("abort guard: could not write the error file", exc_info=True)
 
