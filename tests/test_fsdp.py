@@ -112,6 +112,24 @@ def _diff(model: nn.Module, ref: nn.Module) -> float:
 # -- tier 1: a world of one in this process ------------------------------------------------------
 
 
+def _train_both(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module,
+                opt: torch.optim.Optimizer, rank: int, size: int, steps: int = STEPS) -> None:
+    """The reference on the whole batch, the sharded model on this rank's part, step by step."""
+    for x, y in _batches(steps):
+        _step_both(ref, ref_opt, model, opt, x, y, rank, size)
+
+
+def _step_both(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module,
+               opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, rank: int,
+               size: int) -> None:
+    ref_opt.zero_grad()
+    _loss(ref, x, y).backward()
+    ref_opt.step()
+    opt.zero_grad()
+    _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+    opt.step()
+
+
 def _unit(module: nn.Module) -> FSDPUnit:
     unit = get_unit(module)
     assert unit is not None
@@ -320,13 +338,7 @@ def unlaunched_worker(rank: int) -> dict:
     ref, model = _model(), _shard(_model())
     out: dict = {"made": dist.is_initialized() and dist.get_world_size() == 2}
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
-    for x, y in _batches(2):
-        ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        _loss(model, _mine(x, rank, 2), _mine(y, rank, 2)).backward()
-        opt.step()
+    _train_both(ref, ref_opt, model, opt, rank, 2, steps=2)
     out["diff"] = _diff(model, ref)
     with pytest.raises(RuntimeError) as caught:
         early(_batches(1)[0][0])
@@ -363,13 +375,7 @@ def _check_adamw(
     model.embed.register_forward_hook(probe)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
-    for x, y in _batches(STEPS):
-        ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
-        opt.step()
+    _train_both(ref, ref_opt, model, opt, rank, size)
     out[key] = _diff(model, ref)
     out[key + "_in_flight"] = min(in_flight)
     if freeze:
@@ -468,12 +474,7 @@ def _check_freeze_after_shard(rank: int, size: int, out: dict) -> None:
     for (x, y), (where, flag) in zip(_batches(len(plan)), plan):
         for m in (ref, model):
             m.get_submodule(where).requires_grad_(flag)
-        ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
-        opt.step()
+        _step_both(ref, ref_opt, model, opt, x, y, rank, size)
         got.append(sorted(n for n, p in model.named_parameters() if p.grad is not None)
                    == sorted(n for n, p in ref.named_parameters() if p.grad is not None))
     out["freeze_after_shard"] = _diff(model, ref)
@@ -500,13 +501,7 @@ def _check_recomputed_blocks(rank: int, size: int, out: dict) -> None:
         lockstep.fully_shard(block.inner)
     lockstep.fully_shard(model)
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
-    for x, y in _batches(STEPS):
-        ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
-        opt.step()
+    _train_both(ref, ref_opt, model, opt, rank, size)
     ref.blocks = nn.ModuleList([_Recomputed(block) for block in ref.blocks])  # the same names
     out["recomputed"] = _diff(model, ref)
 
