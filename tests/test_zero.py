@@ -421,6 +421,7 @@ def test_needs_a_process_group():
         ({"params": []}, ValueError, "empty parameter list"),
         ({"params": [{"params": []}]}, ValueError, "without any parameter"),
         ({"params": torch.zeros(2, requires_grad=True)}, TypeError, "got a single tensor"),
+        ({"params": 5}, TypeError, r"iterable of tensors or dicts \(e.g. model.parameters\(\)\), got int"),
         ({"params": [torch.zeros(2, requires_grad=True),
                      torch.zeros(2, device="meta", requires_grad=True)]},
          ValueError, "parameter 1 of group 0 is on meta but parameter 0 is on cpu"),
