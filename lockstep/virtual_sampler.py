@@ -60,6 +60,8 @@ class VirtualShardSampler(Sampler[list[int]]):
         self.shards_per_rank = check_virtual_shards(virtual_shards, num_replicas)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside a world of {num_replicas} ranks")
+        if not isinstance(shard_size, int) or isinstance(shard_size, bool):
+            raise TypeError(f"shard_size must be an int (samples per virtual shard), got {shard_size!r}")
         if shard_size < 1:
             raise ValueError(f"shard_size must be a positive number of samples, got {shard_size}")
         self.dataset, self.virtual_shards, self.shard_size = dataset, virtual_shards, shard_size

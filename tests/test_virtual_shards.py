@@ -245,6 +245,23 @@ def test_forward_that_reads_the_rank_is_refused():
     assert dist.get_rank is not None and "refuse" not in dist.get_rank.__name__
 
 
+def test_a_submodule_compiled_inside_a_shard_is_not_taken_for_reading_the_rank():
+    # torch.compile compiles on the first call, inside the shard, and its logging reads the
+    # rank: that is torch's own business, not the model's result.
+    torch.manual_seed(0)
+    net = nn.Sequential(torch.compile(nn.Linear(8, 8), backend="aot_eager"), nn.ReLU(), nn.Linear(8, 3))
+    model = VirtualShardDDP(net, 2)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    loss = model.train_step(split_shards((x, y), 2),
+                            lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), 0)
+    assert torch.isfinite(loss).all()
+
+
+def test_shard_size_must_be_an_int():
+    with pytest.raises(TypeError, match="shard_size must be an int .samples per virtual shard., got 2.5"):
+        VirtualShardSampler(range(40), 4, 2.5, 1, 0)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "module,match",
     [

@@ -16,6 +16,7 @@ floating-point buffers are the tree mean of the shards' results; integer buffers
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -83,6 +84,12 @@ def _unsupported(module: nn.Module) -> None:
             )
 
 
+# torch.compile's machinery, which may read the rank while it compiles a submodule inside a
+# shard; any other caller (the model, torch.nn.SyncBatchNorm) is refused.
+_COMPILER_MODULES = ("torch._dynamo", "torch._logging", "torch._inductor", "torch._functorch",
+                     "torch.fx", "torch._guards", "torch._subclasses", "torch._export")
+
+
 @contextlib.contextmanager
 def _rank_unreadable(where: str) -> Iterator[None]:
     """Make ``torch.distributed.get_rank``/``get_world_size`` raise while a shard runs.
@@ -92,17 +99,24 @@ def _rank_unreadable(where: str) -> Iterator[None]:
     """
     import torch.distributed.distributed_c10d as c10d
 
-    def refuse(*_args: Any, **_kwargs: Any) -> int:
-        raise RuntimeError(
-            f"{where} read the rank or world size during a virtual shard: with virtual_shards "
-            f"the result must not depend on which rank runs a shard; use the shard index "
-            f"(VirtualShardDDP.current_shard) instead"
-        )
+    def refusing(original: Callable[..., int]) -> Callable[..., int]:
+        def refuse(*args: Any, **kwargs: Any) -> int:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(_COMPILER_MODULES):
+                # torch.compile compiling a submodule on its first call, inside a shard, logs
+                # the rank for itself (torch._logging), not for the model's result
+                return original(*args, **kwargs)
+            raise RuntimeError(
+                f"{where} read the rank or world size during a virtual shard: with "
+                f"virtual_shards the result must not depend on which rank runs a shard; use "
+                f"the shard index (VirtualShardDDP.current_shard) instead"
+            )
+        return refuse
 
     saved = [(m, n, getattr(m, n)) for m in (dist, c10d) for n in ("get_rank", "get_world_size")]
     try:
-        for owner, name, _ in saved:
-            setattr(owner, name, refuse)
+        for owner, name, original in saved:
+            setattr(owner, name, refusing(original))
         yield
     finally:
         for owner, name, original in saved:
