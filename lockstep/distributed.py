@@ -150,7 +150,7 @@ def init_distributed(
     else:
         # torchrun's env:// reuses the elastic agent's store; SLURM has no variables for it.
         init_method = (
-            "env://" if info.source == "torchrun" else f"tcp://{info.master_addr}:{info.master_port}"
+            "env://" if info.source == "torchrun" else f"tcp://{_host(info.master_addr)}:{info.master_port}"
         )
         dist.init_process_group(
             backend,
@@ -245,3 +245,8 @@ def _leave_at_exit() -> None:
         shutdown_distributed()
     except Exception:
         logger.debug("teardown at exit failed", exc_info=True)
+
+
+def _host(addr: str) -> str:
+    """``addr`` as a URL's host: an IPv6 address in brackets (``[::1]``)."""
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -205,6 +205,12 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
         ValueError: a variable is malformed, or the rank lies outside the world.
     """
     env = os.environ if environ is None else environ
+    if ("RANK" in env) != ("WORLD_SIZE" in env):  # torch's env:// refuses half of the pair too
+        have, lack = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise ValueError(
+            f"{have} is set ({env[have]!r}) but {lack} is not: a launcher sets both (torchrun, "
+            f"lockstep run); set {lack} too, or unset {have} to run as a world of one"
+        )
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank

@@ -7,11 +7,13 @@ containers and treats them the same way.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = ["batch_size", "iter_tensors", "map_tensors", "move_to"]
 
@@ -25,10 +27,18 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
     Containers keep their type: tuples, lists, dicts (and their subclasses that take an
     iterable; others, such as ``defaultdict``, come back as plain dicts), namedtuples and
-    dataclass instances (rebuilt with ``dataclasses.replace``).
+    dataclass instances (copied, every field mapped) and ``PackedSequence`` (its data mapped,
+    its ``batch_sizes`` kept).
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, PackedSequence):  # batch_sizes stay on the CPU, as PackedSequence.to keeps them
+        data = map_tensors(obj.data, fn)
+        if not isinstance(data, torch.Tensor):
+            return obj
+        return type(obj)(data, obj.batch_sizes,
+                         *(None if i is None else i.to(data.device)
+                           for i in (obj.sorted_indices, obj.unsorted_indices)))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
         return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -42,9 +52,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         except TypeError:  # a mapping whose constructor wants more (defaultdict): a plain dict
             return mapped
     if _is_dataclass_instance(obj):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn)
-                   for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
+        # A copy with every field mapped, those outside __init__ (init=False) too: rebuilding
+        # through __init__ (dataclasses.replace) would reset them.
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
+        return new
     return obj
 
 

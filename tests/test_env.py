@@ -46,6 +46,8 @@ def test_expand_nodelist():
 @pytest.mark.parametrize("env, culprit", [
     ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is outside"),
     ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x'"),
+    ({"RANK": "1"}, "RANK is set .'1'. but WORLD_SIZE is not"),  # was a world of one, rank 0
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set .'2'. but RANK is not"),
 ])
 def test_bad_environment_is_named(env, culprit):
     with pytest.raises(ValueError, match=culprit):
@@ -74,6 +76,18 @@ def _sum_of_ranks(rank, offset):
 
 def test_spawn_forms_one_world():
     assert lockstep.spawn(_sum_of_ranks, 3, (10,), timeout=90) == [(r, 3, 13.0) for r in range(3)]
+
+
+def _loader_with_workers(rank):
+    # Ranks are not daemons: a DataLoader may start worker processes, as under torch's spawn.
+    loader = torch.utils.data.DataLoader(torch.arange(8.0), batch_size=4, num_workers=2)
+    return sum(float(b.sum()) for b in loader)
+
+
+def test_spawn_ranks_may_start_processes_of_their_own():
+    assert lockstep.spawn(_loader_with_workers, 1, timeout=90) == [28.0]
+    with pytest.raises(TypeError, match=r"args= must be a tuple .*e.g. args=\(5,\)"):
+        lockstep.spawn(_loader_with_workers, 1, args=5)  # type: ignore[arg-type]
 
 
 def _rank1_raises(rank):

@@ -151,6 +151,9 @@ def spawn(
         raise ValueError(f"nprocs must be an int of at least 1, got {nprocs!r}")
     if not callable(fn):
         raise TypeError(f"lockstep.spawn needs a function to run, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args= must be a tuple of the function's arguments after the rank, e.g. "
+                        f"args=({args!r},), got {type(args).__name__}")
     _refuse_unguarded_call(sys._getframe(1))
     payload = pack(fn, tuple(args))
     method = start_method or os.environ.get("LOCKSTEP_START_METHOD", "spawn")
@@ -164,7 +167,9 @@ def spawn(
     procs = []
     for rank in range(nprocs):
         env = _worker_env(rank, nprocs, port, threads_per_worker)
-        proc = ctx.Process(target=_worker, args=(payload, rank, env, results), daemon=True)
+        # Not daemons: a rank may start processes of its own (DataLoader workers), as under
+        # torch.multiprocessing.spawn; _stop ends every rank, whatever happens here.
+        proc = ctx.Process(target=_worker, args=(payload, rank, env, results), daemon=False)
         proc.start()
         procs.append(proc)
     deadline = None if timeout is None else time.monotonic() + timeout
