@@ -223,7 +223,11 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
         local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         local_world = _slurm_local_world_size(env, rank, local_rank)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        addr = env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0]
+        try:
+            addr = env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0]
+        except (ValueError, IndexError) as err:
+            raise ValueError(f"SLURM_NODELIST={nodelist!r} is not a node list SLURM writes "
+                             f"({err}); set MASTER_ADDR to the first node's address") from None
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
@@ -232,6 +236,8 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
         info = ProcessInfo(rank, local_rank, world, local_world, addr, port, "slurm")
     else:
         return ProcessInfo()
+    if not 0 <= info.master_port <= 65535:
+        raise ValueError(f"MASTER_PORT={info.master_port} is not a port: give one in 0-65535")
     if info.world_size < 1:
         raise ValueError(f"world size must be at least 1, the environment says {info.world_size}")
     if not 0 <= info.rank < info.world_size:

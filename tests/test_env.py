@@ -47,6 +47,9 @@ def test_expand_nodelist():
     ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is outside"),
     ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x'"),
     ({"RANK": "1"}, "RANK is set .'1'. but WORLD_SIZE is not"),  # was a world of one, rank 0
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODELIST": "node[01-x]"},
+     "SLURM_NODELIST='node\\[01-x\\]' is not a node list"),
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set .'2'. but RANK is not"),
 ])
 def test_bad_environment_is_named(env, culprit):
