@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lockstep.diagnose import progress
 from lockstep.env import ProcessInfo, default_backend, detect_process_info, loopback_interface
+from lockstep.rejoin import LeftGroups
 from lockstep.teardown import quiesce
 
 __all__ = [
@@ -26,6 +27,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+# The default groups this process left (lockstep.rejoin): process-wide, like the default
+# group itself, which they outlive.
+_LEFT = LeftGroups()
 
 
 class DeviceUnavailableError(ValueError, RuntimeError):
@@ -152,13 +157,20 @@ def init_distributed(
         init_method = (
             "env://" if info.source == "torchrun" else f"tcp://{_host(info.master_addr)}:{info.master_port}"
         )
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timeout,
-        )
+        _LEFT.before_join(info.master_port, timeout.total_seconds())
+        prefix = _LEFT.prefix()
+        if prefix is None:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
+                timeout=timeout,
+            )
+        else:  # a group after one this process left: keys of its own (lockstep.rejoin)
+            store, _, _ = next(dist.rendezvous(init_method, info.rank, info.world_size, timeout=timeout))
+            store.set_timeout(timeout)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(prefix, store), rank=info.rank,
+                world_size=info.world_size, timeout=timeout,
+            )
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
     progress.tracker()  # publish this rank's progress from now on (see lockstep.diagnose.hang)
     return replace(info, device=dev, backend=backend)
@@ -221,6 +233,8 @@ def shutdown_distributed() -> None:
     You rarely need it: a process that called :func:`init_distributed` does it at exit.
     """
     if dist.is_initialized():
+        # watched from before rank 0 can see this rank's exit record (lockstep.rejoin)
+        _LEFT.left(progress.default_store(), dist.get_rank())
         progress.close_tracker()  # peers waiting for this rank learn that it exited
         dist.destroy_process_group()
     if not quiesce(timeout=2.0):
