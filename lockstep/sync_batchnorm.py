@@ -34,8 +34,18 @@ def _channel_view(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     if group is not None:
-        hang.run(group_progress(group), "SyncBatchNorm statistics all-reduce",
+        hang.run(group_progress(group), "SyncBatchNorm gradient all-reduce",
                  lambda: dist.all_reduce(t, group=group))
+
+
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``t``, stacked in group order (just ``t`` without a group)."""
+    if group is None:
+        return t.unsqueeze(0)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    hang.run(group_progress(group), "SyncBatchNorm statistics all-gather",
+             lambda: dist.all_gather(parts, t, group=group))
+    return torch.stack(parts)
 
 
 def _global_stats(
@@ -43,24 +53,28 @@ def _global_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Mean and biased variance per channel over every rank's batch, and the total count.
 
-    Each rank sums its values and squares around its *own* mean before the reduction (in
-    float64), so large means do not cancel away the variance as a raw sum of squares would.
+    Each rank sends its count, mean and variance around its *own* mean; they are combined in
+    float64 as parallel variance is (Chan et al.): the spread of the ranks' means around the
+    global mean is added to their variances, so nothing is ever subtracted from a raw sum of
+    squares, and a large mean cannot cancel the variance away (torch gathers the same three).
     """
     count = x.numel() // x.size(1)
     channels = x.size(1)
     packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
     if count > 0:
         var, mean = torch.var_mean(x, dim=_reduce_dims(x), correction=0)
-        mean, var = mean.double(), var.double()
-        packed[:channels] = mean * count
-        packed[channels:-1] = (var + mean.square()) * count
+        packed[:channels] = mean.double()
+        packed[channels:-1] = var.double()
         packed[-1] = count
-    _all_reduce(packed, group)
-    total = int(packed[-1].item())
+    every = _all_gather(packed, group)
+    counts = every[:, -1:]
+    total = int(counts.sum().item())
     if total == 0:
-        return packed[:channels].float(), packed[channels:-1].float(), 0
-    mean = packed[:channels] / total
-    var = (packed[channels:-1] / total - mean.square()).clamp_(min=0)
+        zeros = torch.zeros(channels, dtype=x.dtype, device=x.device)
+        return zeros, zeros.clone(), 0
+    mean = (every[:, :channels] * counts).sum(0) / total
+    spread = every[:, channels:-1] + (every[:, :channels] - mean).square()
+    var = (spread * counts).sum(0) / total
     return mean.to(x.dtype), var.to(x.dtype), total
 
 
@@ -169,6 +183,8 @@ class SyncBatchNorm(BatchNormBase):
                 f"SyncBatchNorm expects an input of shape (N, C, ...), got {input.dim()}-D "
                 f"input of shape {tuple(input.shape)}"
             )
+        if input.size(1) == 0:  # torch's message and type
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         if input.size(1) != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm was built for {self.num_features} channels, but the input has "
@@ -190,18 +206,35 @@ class SyncBatchNorm(BatchNormBase):
                 input, self.running_mean, self.running_var, self.weight, self.bias,
                 False, 0.0, self.eps,
             )
+        # Only training synchronises: evaluation (even without running statistics) stays
+        # local, so one rank may evaluate alone without hanging the others.
+        group = self._group() if self.training else None
+        if group is None:
+            # Nobody to talk to: plain batch norm, as torch's class does (so a world of one
+            # gives torch's own values, and double backward works).
+            return self._local_batch_norm(input)
         # Statistics in float32 even under autocast: bf16 sums over a batch lose too much.
         with torch.autocast(device_type=input.device.type, enabled=False):
             work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-            # Only training synchronises: evaluation (even without running statistics) stays
-            # local, so one rank may evaluate alone without hanging the others.
-            group = self._group() if self.training else None
             y, mean, var, count = _SyncBatchNormFunction.apply(
                 work, self.weight, self.bias, self.eps, group
             )
         if self.training and self.track_running_stats:
             self._update_running_stats(mean, var, int(count.item()))
         return y.to(input.dtype)
+
+    def _local_batch_norm(self, input: torch.Tensor) -> torch.Tensor:
+        """Batch statistics of this rank's input only, with BatchNorm's running averages."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        track = self.training and self.track_running_stats
+        return torch.nn.functional.batch_norm(
+            input, self.running_mean if track else None, self.running_var if track else None,
+            self.weight, self.bias, True, factor, self.eps,
+        )
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
@@ -229,7 +262,8 @@ class SyncBatchNorm(BatchNormBase):
             model = lockstep.SyncBatchNorm.convert_sync_batchnorm(model)
         """
         converted = module
-        if isinstance(module, BatchNormBase) and not isinstance(module, cls):
+        # Every BatchNorm, a SyncBatchNorm too: converting again moves it to ``process_group``.
+        if isinstance(module, BatchNormBase):
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine,
                 module.track_running_stats, process_group,

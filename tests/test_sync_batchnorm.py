@@ -107,12 +107,30 @@ def test_convert_keeps_state_and_structure():
     [
         ((C,), r"expects an input of shape \(N, C, \.\.\.\), got 1-D"),
         ((2, C + 1), f"built for {C} channels, but the input has {C + 1}"),
-        ((1, C), "needs more than 1 value per channel over all ranks"),
+        ((1, C), "more than 1 value per channel"),  # torch's own message in a world of one
+        ((2, 0), "number of input channels should be non-zero"),  # torch's, not a ZeroDivisionError
     ],
 )
 def test_errors_name_the_shape(shape, message):
     with pytest.raises(ValueError, match=message):
-        SyncBatchNorm(C)(torch.randn(shape))
+        SyncBatchNorm(shape[-1] if len(shape) > 1 and shape[1] == 0 else C)(torch.randn(shape))
+
+
+def test_world_of_one_is_torchs_batch_norm_and_differentiates_twice():
+    # A gradient penalty goes through BatchNorm twice; torch's class falls back to batch_norm
+    # with no one to talk to, and so does this one (it raised "differentiate twice" before).
+    def penalty(norm: torch.nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv1d(3, 3, 1), norm, torch.nn.Tanh(),
+                                    torch.nn.Conv1d(3, 1, 1))
+        x = torch.randn(8, 3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        return model[0].weight.grad
+
+    assert torch.equal(penalty(SyncBatchNorm(3)), penalty(torch.nn.SyncBatchNorm(3)))
+    empty = SyncBatchNorm(3)(torch.randn(0, 3, 2))  # an empty batch: torch's empty output
+    assert empty.shape == (0, 3, 2)
 
 
 def test_bf16_input_keeps_dtype_and_matches_float32():
@@ -125,17 +143,39 @@ def test_bf16_input_keeps_dtype_and_matches_float32():
 
 
 # ---- several ranks ------------------------------------------------------------------------
-def _worker(rank: int, sizes: list[int]) -> list[dict]:
+def _worker(rank: int, sizes: list[int]) -> tuple[list[dict], float, float]:
     lockstep.init_distributed()
-    return [_compare(sizes, rank, spatial) for spatial in ((), (3, 2))]
+    return ([_compare(sizes, rank, spatial) for spatial in ((), (3, 2))],
+            _large_mean_float64(sizes, rank), _converted_again_to_own_group(rank))
+
+
+def _large_mean_float64(sizes: list[int], rank: int) -> float:
+    """float64 values around 1e8: the ranks' statistics must not cancel the variance away."""
+    x = torch.randn(sum(sizes), C, 3, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(3)) + 1e8
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    reference = torch.nn.BatchNorm1d(C, dtype=torch.float64)(x)[start:stop]
+    return _diff(SyncBatchNorm(C, dtype=torch.float64)(x[start:stop]), reference)
+
+
+def _converted_again_to_own_group(rank: int) -> float:
+    """convert_sync_batchnorm(.., group) moves an existing SyncBatchNorm to that group, as torch."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    model = SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(C)))
+    model = SyncBatchNorm.convert_sync_batchnorm(model, process_group=groups[rank])
+    assert model[0].process_group is groups[rank]
+    x = torch.randn(5, C, generator=torch.Generator().manual_seed(rank))
+    return _diff(model(x), torch.nn.BatchNorm1d(C)(x))  # alone in its group: local statistics
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("sizes", [[1, 4], [3, 0, 4]], ids=["world2", "world3-empty-rank"])
 def test_equals_whole_batch_batchnorm(sizes):
-    for per_rank in lockstep.spawn(_worker, len(sizes), args=(sizes,), timeout=120):
+    for per_rank, large_mean, regrouped in lockstep.spawn(_worker, len(sizes), args=(sizes,), timeout=120):
         for worst in per_rank:
             _check(worst)
+        assert large_mean < 1e-6  # 976 before: E[x^2] - mean^2 in float64
+        assert regrouped < 1e-6
 
 
 def _rank0_evaluates_alone(rank: int) -> bool:
