@@ -73,7 +73,8 @@ class VirtualShardSampler(Sampler[list[int]]):
                 f"{virtual_shards} virtual shards x {shard_size}: lower shard_size"
             )
         self.epoch = 0
-        self._skip = 0  # steps of this epoch already done before a resume
+        self._skip = 0  # steps of this epoch already done before a resume: the next pass skips them
+        self._pass_skip = 0  # what the current (or last) pass skipped, for state_dict
         self._yielded = 0
 
     def __len__(self) -> int:
@@ -82,7 +83,7 @@ class VirtualShardSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation; a resumed position applies to its own epoch only."""
         if epoch != self.epoch:
-            self._skip = self._yielded = 0  # a save now is at the top of the new epoch
+            self._skip = self._pass_skip = self._yielded = 0  # a save now is at the top of the new epoch
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -94,11 +95,12 @@ class VirtualShardSampler(Sampler[list[int]]):
         mine = self.shard_size * self.shards_per_rank
         begin = self.rank * mine
         skip, self._yielded = self._skip, 0
+        self._pass_skip = skip
         for step in range(skip, n // self.global_batch):
             batch = order[step * self.global_batch : (step + 1) * self.global_batch]
             self._yielded += 1
             yield batch[begin : begin + mine].tolist()
-        self._skip = 0
+        self._skip = 0  # a pass after this one is a whole epoch; state_dict still counts this one
 
     def state_dict(self, steps: int | None = None) -> dict[str, int]:
         """``{"epoch", "steps", "virtual_shards", "shard_size", "seed"}``, the same on every rank.
@@ -107,7 +109,7 @@ class VirtualShardSampler(Sampler[list[int]]):
             steps: steps of this epoch the loop has used since the pass began; by default the
                 batches yielded (a ``DataLoader`` reads ahead, so pass the true count there).
         """
-        done = self._skip + (self._yielded if steps is None else steps)
+        done = self._pass_skip + (self._yielded if steps is None else steps)
         return {"epoch": self.epoch, "steps": done, "virtual_shards": self.virtual_shards,
                 "shard_size": self.shard_size, "seed": self.seed}
 
@@ -125,3 +127,4 @@ class VirtualShardSampler(Sampler[list[int]]):
                     f"{key}={getattr(self, key)}: the same run needs the same {key}"
                 )
         self.epoch, self._skip, self._yielded = int(state["epoch"]), int(state["steps"]), 0
+        self._pass_skip = self._skip

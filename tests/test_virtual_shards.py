@@ -181,6 +181,25 @@ def test_a_save_at_the_top_of_an_epoch_resumes_the_whole_epoch():
     assert len(list(resumed)) == 5
 
 
+def test_a_resumed_pass_counts_the_steps_it_skipped_to_its_end():
+    # Saved after step 2, resumed; the state stays "steps of the epoch" after the resumed pass
+    # is exhausted (a DataLoader reads ahead to the end), where it fell back to the pass's own
+    # count before and a restore replayed the steps already done.
+    first = VirtualShardSampler(range(40), 4, 2, 2, 0)
+    it = iter(first)
+    next(it), next(it)
+    resumed = VirtualShardSampler(range(40), 4, 2, 4, 0)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.state_dict()["steps"] == 2  # loaded, not yet iterated
+    batches = list(resumed)  # the rest of the epoch, read ahead to its end
+    assert len(batches) == 3 and resumed.state_dict()["steps"] == 5
+    assert resumed.state_dict(steps=1)["steps"] == 3  # the loop used one of them
+    again = VirtualShardSampler(range(40), 4, 2, 1, 0)
+    again.load_state_dict(resumed.state_dict())
+    assert list(again) == []  # nothing of epoch 0 is trained twice
+    assert len(list(resumed)) == 5  # a second pass over the same epoch is whole
+
+
 def test_split_shards_and_seeds():
     parts = split_shards((torch.arange(6), {"y": torch.arange(6) * 2}), 3)
     assert torch.equal(parts[1][0], torch.tensor([2, 3]))
