@@ -145,6 +145,52 @@ def test_stages_passing_tuples_with_an_integer_tensor(schedule):
         torch.testing.assert_close(b.grad, a.grad)
 
 
+class _WithMask(nn.Module):
+    def forward(self, x):
+        return x, (x[:, 0] > 0).long()
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, inp):  # takes the (hidden, mask) tuple as one argument, as in a Sequential
+        h, mask = inp
+        return torch.tanh(self.lin(h)) * mask.unsqueeze(1).to(h.dtype), mask
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, inp):
+        return self.lin(inp[0])
+
+
+@pytest.mark.parametrize("balance", [[1, 3], [2, 2], [3, 1]])
+def test_a_sequential_whose_layers_pass_tuples_is_cut_anywhere(balance):
+    # The layer after a cut gets the tuple the layer before returned, as inside the model
+    # (it was given the tuple's tensors as separate arguments, and failed).
+    def build():
+        torch.manual_seed(5)
+        return nn.Sequential(_WithMask(), _Masked(), _Masked(), _Head())
+
+    reference, model = build(), build()
+    pipe = lockstep.Pipeline(model, 2, loss_fn=F.mse_loss, devices=["cpu", "cpu"], balance=balance)
+    x, y = _batches(1, 8)[0]
+    out = pipe.step(x, target=y)
+    ref_out = reference(x)
+    F.mse_loss(ref_out, y).backward()
+    torch.testing.assert_close(out, ref_out.detach())
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    assert set(pipe.state_dict()) == {f"stages.{i}.{k}" for i, n in enumerate(balance)
+                                      for k in reference.state_dict() if int(k[0]) in
+                                      range(sum(balance[:i]), sum(balance[:i + 1]))}
+
+
 def test_activation_memory_follows_the_schedule():
     peaks = {}
     for schedule in ["gpipe", "1f1b"]:

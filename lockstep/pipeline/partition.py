@@ -17,6 +17,7 @@ from torch import nn
 
 __all__ = [
     "Balance",
+    "SequentialStage",
     "balanced_sizes",
     "measure_layer_times",
     "parameter_counts",
@@ -180,6 +181,21 @@ def stage_sizes(
     return sizes
 
 
+class SequentialStage(nn.Sequential):
+    """A stage cut from an ``nn.Sequential``: its first layer gets what it got in the model.
+
+    A stage receives what crossed the boundary as separate tensors; where the layer before the
+    cut returned a tuple, the layer after it takes that tuple as its one argument, as it did
+    inside the model.
+    """
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            x = layer(x)
+        return x
+
+
 def split_layers(
     module: nn.Sequential | Sequence[nn.Module],
     num_stages: int,
@@ -213,7 +229,7 @@ def split_layers(
         start = 0
         for size in sizes:
             # Keep the original layer names so a stage's state_dict keys match the model's.
-            stages.append(nn.Sequential(OrderedDict(named[start:start + size])))
+            stages.append(SequentialStage(OrderedDict(named[start:start + size])))
             start += size
         return stages
     if isinstance(module, (list, tuple, nn.ModuleList)):
