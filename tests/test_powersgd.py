@@ -167,3 +167,20 @@ def test_powersgd_at_world_2():
         assert last < 5e-3 * first, out["ef"]
         assert last < 2 * plain_last, (last, plain_last)
         assert out["no_ef"][1] > 10 * last, "error feedback should matter on a full-rank target"
+
+
+def test_state_with_a_group_pickles_without_it():
+    # torch's PowerSGDState leaves its process group out of a pickle; so does this one
+    # (it raised "cannot pickle 'ProcessGroup' object" before).
+    import pickle
+
+    lockstep.init_distributed()
+    try:
+        state = PowerSGDState(dist.new_group([0]), matrix_approximation_rank=2, start_powersgd_iter=5)
+        state.iter = 3
+        loaded = pickle.loads(pickle.dumps(state))
+        assert loaded.process_group is None  # the default group, as torch's falls back to it
+        assert (loaded.iter, loaded.matrix_approximation_rank) == (3, 2)
+        assert torch.equal(loaded.generator.get_state(), state.generator.get_state())
+    finally:
+        lockstep.shutdown_distributed()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,18 @@ class PowerSGDState:
         # Per bucket index: the error not yet applied, and the flat Q memory for warm start.
         self.error_dict: dict[int, torch.Tensor] = {}
         self.q_dict: dict[int, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the process group, which cannot be pickled (as torch's state)."""
+        state = dict(self.__dict__)
+        if state.get("process_group") is not None:
+            logger.warning("PowerSGDState: the process group is not saved with the state; a "
+                           "loaded state reduces over the default group")
+        state["process_group"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def end_bucket(self, bucket: GradBucket) -> None:
         """Count one training step after the last bucket of an iteration."""
