@@ -120,7 +120,7 @@ def init_distributed(
 
     With no launcher variables set this is a world of one: the group lives in memory
     (a ``HashStore``), nothing listens on the network. Calling it again is harmless and
-    returns the same description.
+    returns the same description, with the ``device`` that call asks for.
 
     Args:
         backend: ``"nccl"``/``"gloo"``; by default NCCL for CUDA devices, gloo otherwise.
@@ -138,11 +138,13 @@ def init_distributed(
         model = lockstep.DistributedDataParallel(Net().to(info.device))
     """
     leave_safely_at_exit()
-    if dist.is_initialized():
-        return current_process_info()
-    info = detect_process_info()
     if device is None and os.environ.get("LOCKSTEP_DEVICE"):
         device = os.environ["LOCKSTEP_DEVICE"]  # e.g. force CPU workers on a GPU machine
+    if dist.is_initialized():
+        info = current_process_info()
+        # The device asked for now, as a first call would resolve it (not the backend's guess).
+        return info if device is None else replace(info, device=resolve_device(device, info.local_rank))
+    info = detect_process_info()
     dev = resolve_device(device, info.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -66,6 +66,8 @@ def test_init_distributed_single_process_twice():
         t = torch.ones(2)
         dist.all_reduce(t)
         assert t.tolist() == [1.0, 1.0]
+        # a later call names the device asked for then (it said "cpu" for any device before)
+        assert lockstep.init_distributed(device="meta").device == torch.device("meta")
     finally:
         lockstep.shutdown_distributed()
 
