@@ -182,18 +182,15 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
         return 0.0, 0.0, [], 0.0, 0.0
     costs: list[Cost] = []
     encode: list[float] = []
+    rate = codec_bandwidth(workload, options)
+    priced: dict[float, Cost] = {}  # buckets of one size cost the same: a big model has 1e5
     for b in buckets:
         sent = b.nbytes * strategy.ratio
-        if strategy.zero_stage >= 2:
-            c = collective(REDUCE_SCATTER, sent, world, topo, pm)
-            if strategy.zero_stage == 3:  # the parameters are gathered again for backward
-                g = collective(ALL_GATHER, sent, world, topo, pm)
-                c = Cost(c.seconds + g.seconds, c.latency_s + g.latency_s,
-                         c.bandwidth_s + g.bandwidth_s, c.algorithm, c.bound_by)
-        else:
-            c = collective(ALL_REDUCE, sent, world, topo, pm)
+        c = priced.get(sent)
+        if c is None:
+            c = priced[sent] = _bucket_cost(sent, world, topo, strategy, pm)
         costs.append(c)
-        encode.append((b.nbytes + sent) / codec_bandwidth(workload, options))
+        encode.append((b.nbytes + sent) / rate)
     schedule = simulate_buckets([b.ready for b in buckets], [c.seconds for c in costs],
                                 encode, encode)
     done = schedule[-1][1] if schedule else 0.0
@@ -202,13 +199,28 @@ def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Str
             2 * sum(encode))
 
 
+def _bucket_cost(sent: float, world: int, topo: Topology, strategy: Strategy, pm: float) -> Cost:
+    """One bucket's collective(s) in backward: an all-reduce, or ZeRO's reduce-scatter."""
+    if strategy.zero_stage < 2:
+        return collective(ALL_REDUCE, sent, world, topo, pm)
+    c = collective(REDUCE_SCATTER, sent, world, topo, pm)
+    if strategy.zero_stage == 3:  # the parameters are gathered again for backward
+        g = collective(ALL_GATHER, sent, world, topo, pm)
+        c = Cost(c.seconds + g.seconds, c.latency_s + g.latency_s,
+                 c.bandwidth_s + g.bandwidth_s, c.algorithm, c.bound_by)
+    return c
+
+
 def _zero3_forward(workload: Workload, topo: Topology, world: int, pm: float = 0.0) -> float:
     """Forward with parameters gathered chunk by chunk, prefetched on one link queue."""
     chunks = sorted(workload.buckets, key=lambda b: -b.ready)  # forward order: first layers first
     total = sum(b.nbytes for b in chunks) or 1.0
     compute_done = link_done = 0.0
+    priced: dict[float, float] = {}
     for b in chunks:
-        link_done += collective(ALL_GATHER, b.nbytes, world, topo, pm).seconds
+        if b.nbytes not in priced:
+            priced[b.nbytes] = collective(ALL_GATHER, b.nbytes, world, topo, pm).seconds
+        link_done += priced[b.nbytes]
         compute_done = max(compute_done, link_done) + workload.forward * b.nbytes / total
     return compute_done
 
