@@ -109,6 +109,7 @@ atexit.register(lambda: print(f"atexit ran {attempt}", flush=True))
 print(f"attempt {attempt} rank {rank} forked {forked} name {__name__} argv {sys.argv[1:]} "
       f"threads {torch.get_num_threads()}", flush=True)
 threading.Thread(target=lambda: print(f"thread ended {attempt}", flush=True)).start()
+print(f"user env {attempt} {os.environ.get('LOCKSTEP_TEST_USER_FLAG')} {'PATH' in os.environ}", flush=True)
 # A thread that waits for the main thread to end (as a checkpoint's writer may) ends too.
 main = threading.main_thread()
 threading.Thread(target=lambda: (main.join(), print(f"after main {attempt}", flush=True))).start()
@@ -126,7 +127,7 @@ def _launch(tmp_path, *flags: str) -> subprocess.CompletedProcess:
     """Two workers, one restart: rank 1 raises in the first attempt and exits 7 in the second."""
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_TEST_USER_FLAG": "kept"}
     return subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2",
                            "--max-restarts", "1", *flags, str(script), "always"],
                           check=False, capture_output=True, text=True, timeout=150,
@@ -149,6 +150,8 @@ def test_restarted_workers_are_forked_with_torch_imported(tmp_path) -> None:
         # The interpreter's exit: non-daemon threads joined, atexit run (each rank), also
         # after ``sys.exit(7)``.
         assert run.stdout.count(f"thread ended {attempt}") == 2, run.stdout
+        # The user's environment reaches forked workers (it was emptied before 2026-11-28).
+        assert run.stdout.count(f"user env {attempt} kept True") == 2, run.stdout
         assert run.stdout.count(f"after main {attempt}") == 2, run.stdout
     assert run.stdout.count("atexit ran 1") == 2, run.stdout
     # Each worker's generators are seeded as a new interpreter's are, not copied from the server.

@@ -63,6 +63,7 @@ def _without_unbuffered(args: Sequence[str]) -> list[str]:
 @contextlib.contextmanager
 def _environment(env: Mapping[str, str]) -> Iterator[None]:
     """``os.environ`` is ``env`` inside (the fork server inherits it), as it was after."""
+    env = dict(env)  # a copy first: ``env`` may be os.environ itself, emptied below
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
