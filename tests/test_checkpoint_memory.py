@@ -77,6 +77,41 @@ def test_damaged_or_missing_memory_copy_falls_back_to_disk(tmp_path):
     assert restored[0].source == "disk" and _same(restored[1], model.state_dict())
 
 
+def test_another_runs_copies_of_the_same_step_are_not_restored(tmp_path):
+    # Run A keeps copies in memory; its directory is deleted by hand and run B (no memory)
+    # saves the same step. A restore must give B's weights, not A's (it did before).
+    memory = tmp_path / "shm"
+    first, first_opt = _train(seed=0)
+    Checkpointer(tmp_path / "ck", memory=True, memory_dir=memory, blocking=True).save(
+        4, model=first, optimizer=first_opt)
+    shutil.rmtree(tmp_path / "ck")
+    second, second_opt = _train(seed=7)
+    Checkpointer(tmp_path / "ck", blocking=True).save(4, model=second, optimizer=second_opt)
+    restored = _restore(Checkpointer(tmp_path / "ck", memory=True, memory_dir=memory))
+    assert restored[0].source == "disk" and restored[0].step == 4
+    assert _same(restored[1], second.state_dict())
+
+
+def test_a_copy_that_does_not_fit_leaves_no_partial_file(tmp_path, monkeypatch):
+    from lockstep.checkpoint import replicas
+
+    model, optimizer = _train()
+    memory = tmp_path / "shm"
+    ckpt = Checkpointer(tmp_path / "ck", memory=True, memory_dir=memory, blocking=True)
+    real = Path.write_bytes
+
+    def full(self, data):  # a tmpfs that fills up half way through the copy
+        real(self, bytes(data)[:16])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(replicas.Path, "write_bytes", full)
+    ckpt.save(1, model=model, optimizer=optimizer)  # the copy fails, the disk save does not
+    monkeypatch.undo()
+    left = [p for p in memory.rglob("*") if p.is_file()] if memory.exists() else []
+    assert left == []  # the partial copy was removed with its empty folder
+    assert _restore(Checkpointer(tmp_path / "ck"))[0].step == 1
+
+
 def test_only_the_newest_published_step_is_read_from_memory(tmp_path):
     model, optimizer = _train()
     memory = tmp_path / "shm"

@@ -34,6 +34,7 @@ __all__ = [
     "encode",
     "fsync_dir",
     "load_file",
+    "read_header",
     "read_verified",
     "save_atomic",
     "write_atomic",
@@ -380,6 +381,16 @@ def check_length(path: Path) -> None:
         raise CheckpointError(
             f"{path} is truncated: {size - len(header)} of {int(parts[2])} bytes"
         )
+
+
+def read_header(path: Path) -> bytes | None:
+    """The first line of a checkpoint file (format, CRC-32 and length): two files with the same
+    header hold the same bytes. ``None`` when the file cannot be read."""
+    try:
+        with path.open("rb") as fh:
+            return fh.readline(_HEADER_SIZE + 64)
+    except OSError:
+        return None
 
 
 def read_verified(path: Path) -> Any:

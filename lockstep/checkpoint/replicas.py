@@ -144,8 +144,16 @@ class MemoryCopies:
         folder = self.step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(payload)
-        os.replace(tmp, folder / name)
+        try:
+            tmp.write_bytes(payload)
+            os.replace(tmp, folder / name)
+        except OSError:
+            # A full tmpfs must not stay full of a partial copy (it is shared memory: the
+            # DataLoader's workers need it too).
+            tmp.unlink(missing_ok=True)
+            if not self._mine.get(step):
+                _rmdir_if_empty(folder)
+            raise
 
     def clear(self) -> None:
         """Remove the copies of this rank's files (and the root once empty)."""

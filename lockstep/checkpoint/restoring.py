@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lockstep.checkpoint.directory import STATE_FILE, checkpoint_files, complete_dirs, rng_file
-from lockstep.checkpoint.io import read_verified
+from lockstep.checkpoint.io import read_header, read_verified
 from lockstep.checkpoint.loading import load_into
 from lockstep.checkpoint.replicas import MemoryCopies
 from lockstep.checkpoint.sharded import shard_file, shard_ranks
@@ -105,6 +105,15 @@ def restore_from_memory(
         return None
     _, error = attempt(lambda: [read_verified(memory.step_dir(step) / n) for n in needed[1:]])
     if _anyone(gather(error)):
+        return None
+    # The copies must be of this checkpoint, not of an older run's with the same step (its
+    # directory deleted by hand, say): every file's header (CRC-32, length) is the disk's.
+    disk = gather([read_header(directory / name / n) for n in needed] if rank == 0 else None)[0]
+    mine = [read_header(memory.step_dir(step) / n) for n in needed]
+    if _anyone(gather(None if mine == disk else "stale")):
+        if rank == 0:
+            logger.warning("the copies of %s in memory at %s are not those on disk (another "
+                           "run's?); reading the disk", name, memory.root)
         return None
     _, error = attempt(lambda: load_into(memory.step_dir(step), state, rank, objects))
     if _anyone(gather(error)):
