@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from lockstep.diagnose import progress
-from lockstep.env import ProcessInfo, default_backend, detect_process_info, loopback_interface
+from lockstep.env import (
+    SURVIVORS_ENV,
+    ProcessInfo,
+    default_backend,
+    detect_process_info,
+    loopback_interface,
+)
 from lockstep.rejoin import LeftGroups
 from lockstep.teardown import quiesce
 
@@ -138,6 +144,14 @@ def init_distributed(
         model = lockstep.DistributedDataParallel(Net().to(info.device))
     """
     leave_safely_at_exit()
+    if os.environ.get(SURVIVORS_ENV) == "1" and not dist.is_initialized():
+        raise RuntimeError(
+            "this worker runs under `lockstep run --survivors`, which re-forms the process "
+            "group after a failure: the script must create it with `team = "
+            "lockstep.Survivors()` instead of calling init_distributed() (see "
+            "docs/checkpoints-and-recovery.md, 'Survivors keep training'), or run it without "
+            "--survivors (then --max-restarts restarts every worker)"
+        )
     if device is None and os.environ.get("LOCKSTEP_DEVICE"):
         device = os.environ["LOCKSTEP_DEVICE"]  # e.g. force CPU workers on a GPU machine
     if dist.is_initialized():

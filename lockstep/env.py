@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "LOOPBACK_IFNAME",
+    "SURVIVORS_ENV",
     "ProcessInfo",
     "default_backend",
     "detect_process_info",
@@ -31,6 +32,9 @@ __all__ = [
 ]
 
 LOOPBACK_IFNAME = "lo"  # Linux's name for the loopback interface
+
+# "1": set by ``lockstep run --survivors`` in its workers (lockstep.resilience.Survivors).
+SURVIVORS_ENV = "LOCKSTEP_SURVIVORS"
 
 # SLURM gives no port; derive one from the job id so every task of a job agrees on it
 # without talking, and two jobs sharing a node rarely collide.

@@ -107,7 +107,9 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(
     out, logs = tmp_path / "out.pt", tmp_path / "logs"
     logs.mkdir()
     steps = 30 if spares else 24
-    kills = ["--kill", "1:6", "--kill", "2:16"] if spares else ["--kill", "1:6"]
+    # The second kill is of slot 0: its replacement, rank 0 at the end, writes the history it
+    # received (it began at its own admission before 2026-11-28).
+    kills = ["--kill", "1:6", "--kill", "0:16"] if spares else ["--kill", "1:6"]
     # A Checkpointer saves every 3 steps inside the step (asynchronously; blocking in the slow
     # variant): a kill can come while a save is written; the newest is restored at the end.
     saves = ["--ckpt", str(tmp_path / "ckpt"), "--save-every", "3"] + ([] if spares else
@@ -121,6 +123,7 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(
         check=False, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1" in done.stderr and "SIGKILL" in done.stderr
+    assert "another is started" not in done.stderr  # no spare was killed
     assert done.stderr.count("a warm spare" if spares else "a new process") == len(kills) // 2
     # An admission loads the source's state only where it is not already there: it used to
     # write the survivors' parameters in place, which failed the save being copied meanwhile.
@@ -128,7 +131,7 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(
     result = torch.load(out, weights_only=False)
     history = result["history"]
     # All, the survivors from the killed step on, all again once rejoined; per kill.
-    want = [(0, 1, 2), (0, 2), (0, 1, 2)] + ([(0, 1), (0, 1, 2)] if spares else [])
+    want = [(0, 1, 2), (0, 2), (0, 1, 2)] + ([(1, 2), (0, 1, 2)] if spares else [])
     assert [slots for _, slots in history] == want, history
     assert history[1][0] in (6, 7)  # the killed step runs again (or was finished by a peer)
     used = _read_logs(logs)
@@ -159,6 +162,38 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(
     assert restored_step == steps
     for got, want in zip(result["params"], restored, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.timeout(150)
+def test_a_job_without_finish_ends_while_a_replacement_waits(tmp_path) -> None:
+    # The replacement of the killed rank is never admitted (admit_every is beyond the end) and
+    # the script never calls team.finish(): the launcher tells it the job is over once the
+    # training ranks have ended (it waited for it until join_timeout, 10 minutes, before).
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "lockstep", "run", "--survivors", "--max-restarts", "1",
+         "--nproc-per-node", "2", str(SCRIPT), "--steps", "8", "--kill", "1:4",
+         "--admit-every", "1000", "--no-finish", "--sleep", "0.2", "--out", str(tmp_path / "out.pt"),
+         "--log-dir", str(logs)],
+        check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a warm spare" in done.stderr
+    assert [s for _, s in torch.load(tmp_path / "out.pt", weights_only=False)["history"]] == [
+        (0, 1), (0,)]
+
+
+def test_init_distributed_and_torchs_ddp_are_refused_where_survivors_are_needed(monkeypatch) -> None:
+    team = lockstep.Survivors()  # not under --survivors: a world of one, as init_distributed
+    try:
+        torch_ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with pytest.raises(TypeError, match="wrap the model in lockstep.DistributedDataParallel"):
+            team.track(torch_ddp)
+    finally:
+        team.finish()
+    monkeypatch.setenv("LOCKSTEP_SURVIVORS", "1")
+    with pytest.raises(RuntimeError, match=r"team = lockstep.Survivors\(\)` instead of calling"):
+        lockstep.init_distributed()
 
 
 def test_peer_failures_are_told_from_the_programs_own_errors() -> None:

@@ -38,10 +38,10 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
     ("survivors", {"action": "store_true",
                    "help": "when a worker or a machine dies the others keep training and a "
                            "replacement joins (the script uses lockstep.Survivors)"}),
-    ("node-timeout", {"type": float, "default": 10.0, "metavar": "SECONDS",
+    ("node-timeout", {"type": float, "default": None, "metavar": "SECONDS",
                       "help": "with --survivors on several machines: a machine whose launcher "
                               "is silent this long is counted lost (default 10)"}),
-    ("spares", {"type": int, "default": 1, "metavar": "K",
+    ("spares", {"type": int, "default": None, "metavar": "K",
                 "help": "with --survivors: K warm spare workers, started with the others and "
                         "waiting with their imports done, to replace a failed one at once"}),
     ("no-fork", {"action": "store_true",

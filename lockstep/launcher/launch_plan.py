@@ -277,6 +277,7 @@ def plan_from_args(
     if backend == LOOPBACK_BACKEND:
         worker_env.update(loopback_gloo(environ))
     entrypoint, cmd = _command(args, environ)
+    survivors, spares, node_timeout = _survivor_flags(args)
     return LaunchPlan(
         nproc_per_node=nproc,
         min_nodes=min_nodes,
@@ -294,12 +295,43 @@ def plan_from_args(
         local_addr=local_addr,
         log_dir=args.log_dir,
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
-        survivors=bool(getattr(args, "survivors", False)),
-        spares=getattr(args, "spares", 1),
-        node_timeout=getattr(args, "node_timeout", 10.0),
+        survivors=survivors,
+        spares=spares,
+        node_timeout=node_timeout,
         fork_workers=not getattr(args, "no_fork", False),
         role=getattr(args, "role", "default"),
     )
+
+
+def _survivor_flags(args: argparse.Namespace) -> tuple[bool, int, float]:
+    """``--survivors``, ``--spares`` (default 1) and ``--node-timeout`` (default 10 s), checked
+    together: the last two mean nothing without the first, which needs replacements to give."""
+    survivors = bool(getattr(args, "survivors", False))
+    spares, node_timeout = getattr(args, "spares", None), getattr(args, "node_timeout", None)
+    if not survivors:
+        given = [flag for flag, value in (("--spares", spares), ("--node-timeout", node_timeout))
+                 if value is not None]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --survivors (warm spares and lost "
+                "machines of a job whose survivors keep training): add --survivors, or drop "
+                f"{' and '.join(given)}"
+            )
+    else:
+        if args.max_restarts < 1:
+            raise ValueError(
+                "--survivors gives a dead rank a replacement while --max-restarts allows; "
+                f"with --max-restarts {args.max_restarts} the first failure would stop the "
+                "whole job: give --max-restarts N (replacements allowed, e.g. 3)"
+            )
+        if getattr(args, "log_dir", None):
+            raise ValueError(
+                "--log-dir is not supported with --survivors: every worker's output goes to "
+                "this launcher's console, each line prefixed with its rank (redirect it, e.g. "
+                "`lockstep run --survivors ... 2>&1 | tee job.log`)"
+            )
+    return (survivors, 1 if spares is None else spares,
+            10.0 if node_timeout is None else node_timeout)
 
 
 def to_launch_config(plan: LaunchPlan, log_dir: str,

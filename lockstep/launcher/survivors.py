@@ -49,6 +49,7 @@ __all__ = ["supervise"]
 
 _STOP_GRACE_S = 5.0
 _STORE_WAIT_S = 600.0  # how long a machine's launcher waits for machine 0's store
+_SPARE_KILLS = 3  # spares killed by a signal that are replaced before spares are given up
 
 Worker = subprocess.Popen | ForkedProcess  # a process started for a rank, or a spare
 
@@ -173,6 +174,7 @@ class _Job:
         self.waiting: set[int] = set()  # pids of replacements not yet seen admitted
         self.restarts = 0
         self.spares_failed = False
+        self.spare_kills = 0  # spares killed by a signal, each replaced (up to _SPARE_KILLS)
         # Spares are forked from a process that imported torch once, at the start.
         self.zygote: Zygote | None = None
         if self.machines is not None and self.machines.replacement:
@@ -273,7 +275,13 @@ class _Job:
                 if ended is None:
                     continue
                 self.spares.remove(spare)
-                if ended != 0:  # a spare that cannot start: no more spares
+                if ended < 0 and self.spare_kills < _SPARE_KILLS and not self.spares_failed:
+                    # Killed (the OOM killer, a user's kill): the script is not at fault.
+                    self.spare_kills += 1
+                    print(f"lockstep run: a spare worker (pid {spare.pid}) {_describe(ended)} "
+                          "before it was needed; another is started", file=sys.stderr, flush=True)
+                    self.spares.append(self.start(None, True, forked=True))
+                elif ended != 0:  # a spare that cannot start (or killed again and again)
                     self.spares_failed = True
                     print(f"lockstep run: a spare worker (pid {spare.pid}) "
                           f"{_describe(ended)} before it was needed; no more spares",
@@ -304,6 +312,10 @@ class _Job:
                       file=sys.stderr, flush=True)
                 self.stop_all()
                 return _exit_code(code)
+            if finished and self.procs and not self.others_alive():
+                # The training ranks are done; replacements still waiting to be admitted
+                # would wait for a step that never comes (team.finish() says it, too).
+                self.store.set("done", "1")
             time.sleep(plan.monitor_interval)
         if self.machines is not None:
             self.machines.finished()

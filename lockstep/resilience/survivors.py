@@ -44,7 +44,7 @@ from lockstep.distributed import (
     resolve_device,
     shutdown_distributed,
 )
-from lockstep.env import default_backend
+from lockstep.env import SURVIVORS_ENV, default_backend
 from lockstep.resilience.losses import LossWatch
 from lockstep.resilience.roster import (
     Member,
@@ -60,7 +60,6 @@ from lockstep.resilience.transfer import broadcast_state
 
 __all__ = ["JOIN_ENV", "SPARE_ENV", "SURVIVORS_ENV", "Survivors", "is_peer_failure"]
 
-SURVIVORS_ENV = "LOCKSTEP_SURVIVORS"  # "1": the launcher keeps survivors running
 JOIN_ENV = "LOCKSTEP_SURVIVOR_JOIN"  # "1": this process replaces a failed one
 SPARE_ENV = "LOCKSTEP_SURVIVOR_SPARE"  # "1": a warm spare, waiting for the rank it replaces
 
@@ -223,6 +222,12 @@ class Survivors:
         ``model``, ``optimizer`` and every ``state`` object (anything with ``state_dict`` and
         ``load_state_dict``: an LR scheduler, a sampler) are what a member that fell behind or
         a replacement receives."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "track(model=...): torch's DistributedDataParallel keeps the process group it "
+                "was built with and cannot follow a new world; wrap the model in "
+                "lockstep.DistributedDataParallel instead (same arguments)"
+            )
         for name, obj in state.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no "
@@ -312,7 +317,8 @@ class Survivors:
             dist.destroy_process_group()
 
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.completed, "position": dict(self._position)}
+        state: dict[str, Any] = {"step": self.completed, "position": dict(self._position),
+                                 "history": [list(entry) for entry in self.history]}
         if self._model is not None:
             state["model"] = self._model.state_dict()
         if self._optimizer is not None:
@@ -322,12 +328,24 @@ class Survivors:
 
     def _load(self, state: dict[str, Any]) -> None:
         self._position = dict(state["position"])
+        # the worlds so far (a replacement's own list starts empty): what a replay needs
+        self.history = [(int(step), tuple(slots)) for step, slots in state["history"]]
         if self._model is not None:
             self._model.load_state_dict(state["model"])
         if self._optimizer is not None:
             self._optimizer.load_state_dict(state["optimizer"])
         for name, obj in self._extra.items():
             obj.load_state_dict(state["extra"][name])
+
+    def _require_tracked(self) -> None:
+        """A world about to change needs the model to move and to send (never retried)."""
+        if self._model is None:
+            raise RuntimeError(
+                f"lockstep.Survivors: the world changes after step {self.completed} (a rank "
+                "failed or a replacement joins), but nothing was tracked: call "
+                "team.track(model, optimizer, ...) once they are built, so that the model "
+                "follows the new process group and a replacement receives their state"
+            )
 
     def _enter(self, proposal: Proposal) -> None:
         """Make ``proposal`` the world: its process group, the model on it, one state."""
@@ -357,6 +375,7 @@ class Survivors:
 
     def _recover(self, exc: Exception) -> None:
         """After an error in a step: the roll call, then the next generation (or ``exc``)."""
+        self._require_tracked()
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
         while True:

@@ -82,13 +82,15 @@ def main() -> None:
                         help="Checkpointer(max_overhead=...): saves paced (the last one blocking)")
     parser.add_argument("--lose-machine", metavar="NODE:STEP", help="take a machine down")
     parser.add_argument("--silent", action="store_true", help="SIGSTOP the machine, not SIGKILL")
+    parser.add_argument("--admit-every", type=int, default=2, help="Survivors(admit_every=...)")
+    parser.add_argument("--no-finish", action="store_true", help="end without team.finish()")
     args = parser.parse_args()
     kills = {tuple(int(v) for v in pair.split(":")) for pair in args.kill}
     if args.lose_machine:
         node, step = (int(v) for v in args.lose_machine.split(":"))
         if int(os.environ.get("GROUP_RANK", "0")) == node and os.environ.get("LOCAL_RANK") == "0":
             kills.add(("machine", step))
-    team = lockstep.Survivors(admit_every=2)
+    team = lockstep.Survivors(admit_every=args.admit_every)
     net, model, optimizer = build()
     team.track(model, optimizer)
     slot = int(os.environ.get("RANK", "0"))
@@ -123,7 +125,8 @@ def main() -> None:
     if team.rank == 0:
         torch.save({"params": [p.detach().clone() for p in net.parameters()],
                     "history": team.history, "restored": restored}, args.out)
-    team.finish()
+    if not args.no_finish:
+        team.finish()
 
 
 if __name__ == "__main__":
