@@ -110,6 +110,24 @@ def test_sharded_checkpoint_of_one_process_loads_into_a_plain_model(tmp_path):
     assert _diff(plain.state_dict(), _reference()) < TOL
     with pytest.raises(lockstep.CheckpointError, match="holds 'model' sharded"):
         ckpt.restore(model=_model())
+    # A DDP around the plain model is the same model (it was refused: keys with `module.`)
+    wrapped_plain = _model()
+    lockstep.init_distributed()
+    try:
+        wrapped = lockstep.DistributedDataParallel(wrapped_plain)
+        wrapped_opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+        ckpt.restore(model=ModelState(wrapped), optimizer=OptimizerState(wrapped, wrapped_opt))
+    finally:
+        lockstep.shutdown_distributed()
+    _steps(wrapped_plain, wrapped_opt, SAVE_AT, STEPS, 0, 1)
+    assert _diff(wrapped_plain.state_dict(), _reference()) < TOL
+    # The sharded model or its optimizer given as they are would save rank 0's shards only.
+    with pytest.raises(lockstep.CheckpointError, match=r"model=lockstep.fsdp.ModelState\(model\)"):
+        ckpt.save(SAVE_AT + 1, model=model)
+    with pytest.raises(lockstep.CheckpointError, match="an optimizer of lockstep.fully_shard's shards"):
+        ckpt.save(SAVE_AT + 1, model=ModelState(model), optimizer=opt)
+    with pytest.raises(lockstep.CheckpointError, match=r"Pass lockstep.fsdp.ModelState\(model\)"):
+        ckpt.restore(model=model)
 
 
 @pytest.mark.filterwarnings("ignore:skipping damaged checkpoint")

@@ -47,3 +47,49 @@ def torch_worker(rank: int) -> float:
 @pytest.mark.parametrize("world", [2, 3])
 def test_equals_torch_fully_shard(world):
     assert max(lockstep.spawn(torch_worker, world, timeout=120)) < TOL
+
+
+def _scaler_skips_together(rank: int) -> list:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    lockstep.init_distributed()
+    out = []
+    for scaler_class in (torch.amp.GradScaler, ShardedGradScaler):
+        model = torch.nn.Linear(4, 2, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        lockstep.fully_shard(model)  # row 0 is rank 0's shard, row 1 rank 1's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = scaler_class("cpu", init_scale=2.0 ** 120)
+        loss = (model(torch.ones(1, 4)) * torch.tensor([[1e4, 1.0]])).sum()  # inf in row 0 only
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), model.weight.detach().clone()))  # this rank's shard
+    return out
+
+
+def test_gradient_scaling_needs_the_sharded_scaler_as_torchs_fully_shard_does_not():
+    # Only rank 0's shard overflows. A plain GradScaler decides per rank (a plain tensor's
+    # check): rank 1 steps and keeps its scale, as docs/fsdp.md says; torch's ShardedGradScaler
+    # agrees across ranks, with lockstep's shards too: both skip.
+    (plain0, sharded0), (plain1, sharded1) = lockstep.spawn(_scaler_skips_together, 2, timeout=90)
+    assert plain0[0] != plain1[0]  # the documented difference
+    assert sharded0[0] == sharded1[0] == 2.0 ** 119
+    assert torch.equal(sharded0[1], torch.ones(4)) and torch.equal(sharded1[1], torch.ones(4))
+
+
+def test_torchs_sharded_state_dict_is_named_not_loaded():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from lockstep.fsdp import ModelState
+
+    lockstep.init_distributed()
+    try:
+        theirs = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        torch_fully_shard(theirs)
+        with pytest.raises(ValueError, match=r"are DTensors .*full_state_dict=True"):
+            ModelState(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+                       ).load_state_dict(theirs.state_dict())
+    finally:
+        lockstep.shutdown_distributed()

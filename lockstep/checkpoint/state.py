@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from lockstep.checkpoint.io import CheckpointError, load_file
+from lockstep.fsdp.registry import is_shard, is_sharded
+from lockstep.wrappers import unwrap_model
 
 __all__ = [
     "apply_state",
@@ -24,6 +26,7 @@ __all__ = [
     "load_model_state",
     "load_weights",
     "object_state",
+    "refuse_sharded",
     "restore_rng",
     "unwrap_model",
 ]
@@ -32,22 +35,33 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _MAX_LISTED_KEYS = 10
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP/DataParallel (torch's or lockstep's) or ``torch.compile``."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module) and type(model).__name__ in (
-            "DistributedDataParallel",
-            "DataParallel",
-        ):
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+def refuse_sharded(name: str, obj: Any) -> None:
+    """Refuse a ``fully_shard`` model or an optimizer of its shards given as they are.
+
+    Their ``state_dict()`` holds this rank's shards only: saved plainly, every rank would
+    restore rank 0's pieces. :class:`lockstep.fsdp.ModelState` and ``OptimizerState`` save them.
+
+    Raises:
+        TypeError: naming the object and what to pass instead.
+    """
+    if isinstance(obj, nn.Module) and is_sharded(unwrap_model(obj)):
+        what = "a model sharded by lockstep.fully_shard"
+    elif isinstance(obj, torch.optim.Optimizer) and any(
+            is_shard(p) for group in obj.param_groups for p in group["params"]):
+        what = "an optimizer of lockstep.fully_shard's shards"
+    else:
+        return
+    raise TypeError(
+        f"cannot checkpoint {name!r}: it is {what}, whose state_dict() holds this rank's shards "
+        "only (every rank would restore rank 0's). Pass model=lockstep.fsdp.ModelState(model) "
+        "and optimizer=lockstep.fsdp.OptimizerState(model, optimizer) instead (docs/fsdp.md, "
+        "Checkpoints)"
+    )
 
 
 def object_state(name: str, obj: Any) -> Any:
     """The state to save for ``obj``: a model's unprefixed weights, else ``obj.state_dict()``."""
+    refuse_sharded(name, obj)
     if isinstance(obj, nn.Module):
         return unwrap_model(obj).state_dict()
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
@@ -60,6 +74,7 @@ def object_state(name: str, obj: Any) -> Any:
 
 def apply_state(name: str, obj: Any, state: Any, source: str) -> None:
     """Load ``state`` (read from ``source``) into ``obj`` the way :func:`object_state` saved it."""
+    refuse_sharded(name, obj)
     if isinstance(obj, nn.Module):
         load_model_state(obj, state, source)
         return

@@ -35,6 +35,7 @@ from torch import nn
 from lockstep.fsdp import collectives
 from lockstep.fsdp.checkpoint_ranks import checkpoint_group_ranks, to_checkpoint_ranks
 from lockstep.fsdp.unit import get_unit
+from lockstep.wrappers import unwrap_model
 
 __all__ = ["ModelState", "OptimizerState", "read_range"]
 
@@ -166,6 +167,18 @@ def _check_shape(fqn: str, saved: Sequence[int], entry: _Entry) -> None:
         raise ValueError(f"parameter {fqn!r} was saved with shape {tuple(saved)}, the model has {tuple(entry.shape)}")
 
 
+def _refuse_dtensors(state: Mapping[str, Any], where: str) -> None:
+    """torch's FSDP2 state dict holds DTensors (sharded): name what to load instead."""
+    found = [key for key, value in state.items() if type(value).__name__ == "DTensor"]
+    if found:
+        raise ValueError(
+            f"{where}: {found[:3]} {'are' if len(found) > 1 else 'is a'} DTensor"
+            f"{'s' if len(found) > 1 else ''} (the sharded state dict of torch's own "
+            "fully_shard); give the full one instead: torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+        )
+
+
 class ModelState:
     """A fully sharded (or plain) model as the Checkpointer saves and restores it.
 
@@ -183,7 +196,8 @@ class ModelState:
     """
 
     def __init__(self, model: nn.Module, *, full: bool = False, process_group: Any = None) -> None:
-        self.model, self.full, self.process_group = model, full, process_group
+        # DDP's (or torch.compile's) model is the same model: its names without the prefix
+        self.model, self.full, self.process_group = unwrap_model(model), full, process_group
         self.save_sharded = not full  # the Checkpointer's switch (lockstep.checkpoint.sharded)
         self._consolidated: dict[str, torch.Tensor] | None = None
 
@@ -249,6 +263,7 @@ class ModelState:
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (saved at any world size, or by a plain model)."""
+        _refuse_dtensors(state, "load_state_dict")
         current = self.model.state_dict(keep_vars=True)
         _check_names("the state dict", list(current), list(state), "load_state_dict")
         entries = {id(e.param): e for e in _layout(self.model, self.process_group).values()}
@@ -304,7 +319,8 @@ class OptimizerState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
                  process_group: Any = None) -> None:
-        self.model, self.optimizer, self.full, self.process_group = model, optimizer, full, process_group
+        self.model, self.optimizer = unwrap_model(model), optimizer
+        self.full, self.process_group = full, process_group
         self.save_sharded = not full
         self._consolidated: dict[str, Any] | None = None
 

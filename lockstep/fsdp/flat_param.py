@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.fsdp import collectives
+from lockstep.fsdp.registry import mark_shard
 
 __all__ = ["FlatShard", "ParamSlot"]
 
@@ -64,6 +65,7 @@ class FlatShard:
             flat = F.pad(param.detach().reshape(-1), (0, chunk * size - numel))
             shard = nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone(),
                                  requires_grad=param.requires_grad)
+            mark_shard(shard)  # an optimizer of shards is told from a plain one (checkpoints)
             full = nn.Parameter(torch.empty(param.shape, dtype=compute_dtype, device=param.device),
                                 requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
