@@ -208,6 +208,15 @@ def test_peer_failures_are_told_from_the_programs_own_errors() -> None:
     assert is_peer_failure(dist.DistNetworkError("store went away"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("bad batch"))
+    # gloo's own timeout is a peer's failure; a program's error that says "timed out" is not
+    # (a DataLoader's: it took the other ranks down with it before 2026-11-28)
+    assert is_peer_failure(RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms "
+        "for recv operation to complete"))
+    assert is_peer_failure(RuntimeError("NCCL communicator was aborted on rank 1."))
+    for own in ("DataLoader timed out after 5 seconds", "socket closed by my own code?",
+                "the peer review aborted"):
+        assert not is_peer_failure(RuntimeError(own)), own
 
 
 def test_group_sockets_shut_down_the_connections_opened_between_the_marks() -> None:

@@ -64,10 +64,15 @@ JOIN_ENV = "LOCKSTEP_SURVIVOR_JOIN"  # "1": this process replaces a failed one
 SPARE_ENV = "LOCKSTEP_SURVIVOR_SPARE"  # "1": a warm spare, waiting for the rank it replaces
 
 
-# What a backend raises when a peer died or cut the connection (gloo, NCCL, the store).
+# What a backend raises when a peer died or cut the connection (gloo, NCCL, the store), and
+# nothing else: a program's own error that merely says "timed out" (a DataLoader's) must stay
+# that process's failure, not stop its peers too.
 _PEER_FAILURE = re.compile(
-    r"connection (closed|reset|refused)|closed by peer|reset by peer|broken pipe|read error|"
-    r"write error|timed? ?out|timeout|aborted|socket|peer", re.IGNORECASE)
+    r"connection (closed|reset|refused)|closed by peer|reset by peer|broken pipe|"
+    r"gloo/transport|processgroupgloo|processgroupnccl|"
+    r"timed out waiting \d+ ?ms for (send|recv)|socket timeout|"
+    r"nccl ?(communicator|error|remote|system)|communicator was aborted|"
+    r"process ?group (was |has been )?(aborted|shut ?down)", re.IGNORECASE)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
