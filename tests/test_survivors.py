@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from lockstep.resilience.roster import Member, Proposal, propose
+from lockstep.resilience.roster import Member, Proposal, dead_key, propose
 from lockstep.resilience.sockets import GroupSockets
-from lockstep.resilience.survivors import is_peer_failure
+from lockstep.resilience.survivors import Survivors, is_peer_failure
 
 SCRIPT = Path(__file__).parent / "scripts" / "survivors_train.py"
 
@@ -217,6 +217,26 @@ def test_peer_failures_are_told_from_the_programs_own_errors() -> None:
     for own in ("DataLoader timed out after 5 seconds", "socket closed by my own code?",
                 "the peer review aborted"):
         assert not is_peer_failure(RuntimeError(own)), own
+
+
+def test_a_member_lost_while_the_new_world_forms_is_a_peer_failure_at_once() -> None:
+    # A replacement (or a second rank) that dies while the next group forms used to leave the
+    # others in the group's rendezvous until its timeout (ten minutes): now the launcher's mark
+    # of the dead ends the wait with a peer's failure, and the roll call follows.
+    import types
+    from datetime import timedelta
+
+    store = dist.HashStore()
+    members = (Member(0, 111, 6), Member(2, 333, -1))
+    team = types.SimpleNamespace(_store=store, timeout=timedelta(seconds=30), pid=111)
+    group_store = dist.PrefixStore("g1/pg/", store)
+    store.set(dead_key(2, 333), "-9")
+    with pytest.raises(dist.DistNetworkError, match=r"rank 2 \(pid 333\) died") as caught:
+        Survivors._await_members(team, group_store, 0, members)  # type: ignore[arg-type]
+    assert is_peer_failure(caught.value)
+    group_store.set("lockstep-arrived/1", "333")  # both there: the group is made
+    fresh = types.SimpleNamespace(_store=dist.HashStore(), timeout=timedelta(seconds=30), pid=111)
+    Survivors._await_members(fresh, group_store, 0, members)  # type: ignore[arg-type]
 
 
 def test_group_sockets_shut_down_the_connections_opened_between_the_marks() -> None:

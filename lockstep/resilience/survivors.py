@@ -257,7 +257,12 @@ class Survivors:
         if self._next_consumed is not None:
             self._position["consumed"], self._next_consumed = self._next_consumed, None
         if self.active and len(self._members) < self.slots and self.completed % self.admit_every == 0:
-            self._admit()
+            try:
+                self._admit()
+            except Exception as exc:  # a replacement (or member) lost during its admission
+                if not is_peer_failure(exc):
+                    raise
+                self._recover(exc)
 
     def finish(self) -> None:
         """Say the job is done (a replacement still waiting to join then exits) and leave."""
@@ -303,12 +308,38 @@ class Survivors:
                 self._position = {"epoch": epoch + 1, "consumed": 0}
 
     # ---- generations -------------------------------------------------------------------
-    def _init_group(self, prefix: str, rank: int, world: int) -> None:
+    def _init_group(self, prefix: str, rank: int, world: int,
+                    members: tuple[Member, ...] = ()) -> None:
         store = dist.PrefixStore(prefix, self._store)
+        if members:
+            self._await_members(store, rank, members)
         self._sockets.before()
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=self.timeout)
         self._sockets.after()
+
+    def _await_members(self, store: Any, rank: int, members: tuple[Member, ...]) -> None:
+        """Meet the new world's members before making its group, watching the launcher's marks
+        of the dead: a member lost meanwhile is a peer's failure now (the group's own
+        rendezvous would wait for it until ``timeout``, ten minutes by default).
+
+        Raises:
+            DistNetworkError: a member was marked dead (a failure of a peer: the caller's
+                roll call follows).
+        """
+        store.set(f"lockstep-arrived/{rank}", str(self.pid))
+        arrivals = [f"lockstep-arrived/{r}" for r in range(len(members))]
+
+        def ready() -> Member | bool | None:
+            if store.check(arrivals):
+                return True
+            return next((m for m in members if self._store.check([dead_key(m.slot, m.pid)])), None)
+
+        found = wait_until(ready, self.timeout.total_seconds(), "the new world's members", 0.01)
+        if isinstance(found, Member):
+            raise dist.DistNetworkError(
+                f"lockstep.Survivors: rank {found.slot} (pid {found.pid}) died while the world of "
+                f"{len(members)} formed (a launcher marked it dead)")
 
     def _leave_group(self) -> None:
         self._sockets.shutdown()  # peers blocked on this rank fail now (see .sockets)
@@ -360,7 +391,7 @@ class Survivors:
         with self._lock:  # the loss watch never judges a world half changed
             self.generation, self._members = proposal.generation, proposal.members
         self._init_group(f"g{proposal.generation}/pg/", proposal.rank_of(self.slot),
-                         len(proposal.members))
+                         len(proposal.members), proposal.members)
         if self._model is not None and hasattr(self._model, "use_process_group"):
             self._model.use_process_group(None)
         if any(m.step != proposal.step for m in proposal.members):
