@@ -114,3 +114,57 @@ def test_doctor_cli_dp_vs_ddp(tmp_path, capsys, monkeypatch):
     args = build_parser().parse_args(["doctor", "--dp-vs-ddp", str(missing)])
     assert run_doctor(args) == 2
     assert "defines no batch_fn" in capsys.readouterr().err
+
+
+_ARGPARSE_MODELS = '''
+import argparse
+import torch
+from torch import nn
+
+args = argparse.ArgumentParser().parse_args()  # at import: must see no doctor arguments
+
+def model_fn():
+    return nn.Linear(6, 2)
+
+def batch_fn(step):
+    return torch.randn(4, 6), torch.randn(4, 2)
+'''
+
+
+@pytest.mark.parametrize("case", ["syntax", "argparse", "script", "raises", "exits"])
+def test_doctor_dp_vs_ddp_names_a_models_file_it_cannot_load(tmp_path, capsys, monkeypatch, case):
+    """A syntax error, an import that fails or exits, or a training script (refused before it
+    runs) each end with one error naming the file; a module parsing its arguments at import
+    sees none of the doctor's."""
+    from lockstep.cli import main
+    from lockstep.doctor.dp_vs_ddp import load_models_file
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the doctor puts the file's folder first
+    marker = tmp_path / "ran"
+    text = {
+        "syntax": "def model_fn(:\n    pass\n",
+        "argparse": _ARGPARSE_MODELS,
+        "script": f"open({str(marker)!r}, 'w').write('trained')\n",
+        "raises": "raise RuntimeError('boom')\ndef model_fn(): pass\ndef batch_fn(s): pass\n",
+        "exits": "import sys\nsys.exit(3)\ndef model_fn(): pass\ndef batch_fn(s): pass\n",
+    }[case]
+    name = f"doctor_models_{case}"
+    models = tmp_path / f"{name}.py"
+    models.write_text(text)
+    try:
+        if case == "argparse":
+            monkeypatch.setattr(sys, "argv", ["lockstep", "doctor", "--dp-vs-ddp", str(models)])
+            assert set(load_models_file(models)) == {"model_fn", "batch_fn"}
+            assert sys.argv[1] == "doctor"  # given back
+            return
+        assert main(["doctor", "--dp-vs-ddp", "--steps", "3", "--warmup", "1",
+                     "--out-dir", str(tmp_path / "out"), str(models)]) == 2
+    finally:
+        sys.modules.pop(name, None)
+    err = capsys.readouterr().err
+    assert f"lockstep doctor: error: lockstep doctor --dp-vs-ddp: {models}" in err, err
+    assert "Traceback" not in err
+    expected = {"syntax": "is not valid Python", "script": "defines no model_fn or batch_fn",
+                "raises": "RuntimeError: boom", "exits": "SystemExit: 3"}[case]
+    assert expected in err
+    assert not marker.exists()  # the training script was not run

@@ -21,6 +21,7 @@ from torch import nn
 
 import lockstep
 from lockstep.doctor.account import speedup_account
+from lockstep.doctor.records import PHASES
 
 CLIENTS = Path(__file__).parent / "clients"
 
@@ -258,3 +259,65 @@ def test_doctor_explains_a_real_client(request, tmp_path, script, module):
     # as in tests/test_doctor.py: on a shared machine a real run can have a slower rank; when
     # one is named, the data must back it (not the injected 30 ms)
     assert straggler["rank"] is None or straggler["phase_excess_s"] < 0.02, healthy["report"]
+
+
+@pytest.mark.parametrize("loss", ["module", "function"])
+def test_a_world_of_one_finds_the_model_behind_a_loss_module_and_stops_after_its_steps(
+        tmp_path, loss):
+    """A single-process script whose loss is an nn.Module (nn.MSELoss()) is the last top-level
+    module called before the optimizer step: the model before it is still found, recorded, and
+    the run ends after --steps optimizer steps (the step that found it counts)."""
+    from lockstep.doctor.torch_ddp import TorchDDPWatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    crit = nn.MSELoss() if loss == "module" else nn.functional.mse_loss
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = TorchDDPWatch({"out_dir": str(tmp_path), "max_steps": 4, "warmup": 1,
+                           "gather_every": 0})
+    steps = 0
+    try:
+        with pytest.raises(SystemExit):
+            for _ in range(20):
+                out = crit(model(torch.randn(4, 8)), torch.randn(4, 1))
+                opt.zero_grad()
+                out.backward()
+                steps += 1
+                opt.step()
+        ((observer),) = watch.observers
+        assert observer.recorder.model_info["observed"] == "Sequential"
+        assert steps == 4  # --steps optimizer steps, not one more
+        payload = json.loads((tmp_path / "rank0.json").read_text())
+        # the first step (before recording) and the warm-up are counted once: 3 recorded, 0 left
+        assert len(payload["steps"]) == 3 and payload["warmup"] == 0
+    finally:
+        watch.close()
+
+
+def test_two_optimizers_on_one_model_are_counted_once():
+    """The step closes at the first optimizer's end; the second one steps before the next
+    forward: its time is optimizer time, not data too, so no phase is negative."""
+    from lockstep.doctor.torch_ddp import DDPObserver
+
+    model = _mlp()
+    observer = DDPObserver(model, SETTINGS)
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    first, second = torch.optim.SGD(vecs, lr=0.01), torch.optim.Adam(mats, lr=1e-3)
+    try:
+        for _ in range(6):
+            loss = model(torch.randn(8, 32)).pow(2).mean()
+            first.zero_grad()
+            second.zero_grad()
+            loss.backward()
+            first.step()
+            second.step()
+        rows = observer.recorder.step_phases(skip_warmup=False)
+        assert len(rows) == 6
+        for row in rows[1:]:  # from the second step on, each holds the previous one's Adam step
+            assert all(row[p] >= 0 for p in PHASES), row
+            assert sum(row[p] for p in PHASES) == pytest.approx(row["step"])
+        spans = [s.optimizer for s in observer.recorder.steps]
+        assert [len(s) for s in spans] == [1] + [2] * 5
+    finally:
+        observer.close()

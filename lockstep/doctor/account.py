@@ -2,10 +2,13 @@
 
 With the same batch per rank, N ranks do N times the work of one per step, so the measured
 speedup is ``N * T1 / TN`` (step times at world 1 and N), and the loss is
-``N - speedup = N * (TN - T1) / TN``. ``TN - T1`` splits into: each phase's growth on the ranks
-that waited, the time they waited for the slowest rank, the communication the slowest rank
-itself waited for, and what is left (host time outside the measured phases, and noise),
-printed as "unexplained". Each term ``d`` costs ``N * d / TN`` of speedup.
+``N - speedup = N * (TN - T1) / TN``. A script that splits a global batch over its workers
+(batch ``B1`` alone, ``BN`` per worker at N) is compared by samples per second: world 1's
+step time and phases are scaled to ``BN`` samples (``T1 * BN / B1``, assuming time grows with
+the batch), which gives the speedup ``N * BN * T1 / (B1 * TN)`` and the same account, with
+``T1`` so scaled. ``TN - T1`` splits into: each phase's growth on the ranks that waited, the
+time they waited for the slowest rank, the communication the slowest rank itself waited for,
+and what is left (host time outside the measured phases, and noise), printed as "unexplained". Each term ``d`` costs ``N * d / TN`` of speedup.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ class Account:
     losses: list[Loss]
     unexplained: Loss
     actions: list[Action] = field(default_factory=list)
+    batch_1: int | None = None  # batch per worker at world 1 and at world N (None: not seen)
+    batch_n: int | None = None
+
+    @property
+    def scale(self) -> float:
+        """World 1's time is scaled by this to world N's batch per worker (1: the same batch)."""
+        if self.batch_1 and self.batch_n and self.batch_1 != self.batch_n:
+            return self.batch_n / self.batch_1
+        return 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,9 +65,19 @@ class Account:
     def table(self) -> str:
         """The account as printed by ``lockstep doctor``."""
         n = self.world_size
-        lines = [
-            (f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
-             f"{self.step_n * 1e3:.1f} ms (same batch per worker)"),
+        if self.scale == 1.0:
+            lines = [(f"step time: 1 worker {self.step_1 * 1e3:.1f} ms, {n} workers "
+                      f"{self.step_n * 1e3:.1f} ms (same batch per worker)")]
+        else:
+            lines = [
+                (f"step time: 1 worker {self.step_1 * 1e3:.1f} ms with batch {self.batch_1}, "
+                 f"{n} workers {self.step_n * 1e3:.1f} ms with batch {self.batch_n} per worker"),
+                (f"the batch per worker differs (the script splits its batch over the workers): "
+                 f"speedup in samples per second; 1 worker's times scaled by {self.batch_n}/"
+                 f"{self.batch_1} ({self.step_1 * self.scale * 1e3:.1f} ms), as if time grew "
+                 "with the batch"),
+            ]
+        lines += [
             f"ideal {self.ideal:.2f}x -> measured {self.measured:.2f}x",
             f"  {'speedup':>8} {'ms/step':>8}  where it went",
         ]
@@ -82,8 +104,12 @@ def speedup_account(one: dict[str, Any], many: dict[str, Any]) -> Account:
     if not one["steps"] or not many["steps"]:
         raise ValueError("speedup_account: a profile has no steps after warm-up; run more steps")
     n, att = many["world_size"], many["attribution"]
-    t1, tn = one["phases"]["step"], many["phases"]["step"]
-    base, p1 = att["baseline"], one["phases"]
+    b1, bn = one.get("batch_size_per_rank"), many.get("batch_size_per_rank")
+    # a global batch split over the workers: compare samples per second (the module docstring)
+    scale = bn / b1 if b1 and bn and b1 != bn else 1.0
+    p1 = {k: v * scale for k, v in one["phases"].items()}
+    t1, tn = p1["step"], many["phases"]["step"]
+    base = att["baseline"]
 
     def x(seconds: float) -> float:
         return n * seconds / tn
@@ -103,12 +129,14 @@ def speedup_account(one: dict[str, Any], many: dict[str, Any]) -> Account:
         losses.append(Loss("straggler", label, straggler["waited_s"], x(straggler["waited_s"])))
     for phase in ("data", "forward", "backward", "optimizer"):
         d = base[phase] - p1[phase]
-        losses.append(Loss(phase, f"{phase} slower than alone ({p1[phase] * 1e3:.1f} -> "
+        alone = "alone" if scale == 1.0 else "alone, scaled to the batch"
+        losses.append(Loss(phase, f"{phase} slower than {alone} ({p1[phase] * 1e3:.1f} -> "
                                   f"{base[phase] * 1e3:.1f} ms)", d, x(d)))
     rest = (tn - t1) - sum(loss.seconds for loss in losses)
     unexplained = Loss("unexplained", "unexplained (host time outside the measured phases, "
                                       "timing noise)", rest, x(rest))
-    account = Account(n, t1, tn, float(n), n * t1 / tn, losses, unexplained)
+    account = Account(n, one["phases"]["step"], tn, float(n), n * t1 / tn, losses, unexplained,
+                      batch_1=b1, batch_n=bn)
     account.losses.sort(key=lambda loss: -loss.speedup)
     account.actions = _actions(account, one, many)[:3]
     return account
@@ -122,7 +150,7 @@ def _bucket_text(bucket: dict[str, Any], profile: dict[str, Any]) -> str:
 
 def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Action]:
     """Changes derived from the measurements, best estimated gain first."""
-    n, tn, t1 = acc.world_size, acc.step_n, acc.step_1
+    n, tn, t1 = acc.world_size, acc.step_n, acc.step_1 * acc.scale
     att, loss = many["attribution"], {x.key: x for x in acc.losses}
     out: list[Action] = []
 
@@ -153,16 +181,21 @@ def _actions(acc: Account, one: dict[str, Any], many: dict[str, Any]) -> list[Ac
             "threads per worker) or inputs of varying size")))
     comm = loss.get("exposed_comm")
     bucket = att["exposed_bucket"]
+    # buckets not observed: the script registered its own comm hook before the first forward,
+    # so another one is refused and no bucket can be named
+    observed = att.get("buckets_observed", True)
     if comm is not None and comm.seconds > 0:
         exposed = comm.seconds
         bw = att["busbw"]
         bw_text = f" at {bw / 1e9:.2f} GB/s bus bandwidth" if bw > 0 else ""
-        out.append(Action(gain(exposed / 2), (
-            f"{exposed * 1e3:.1f} ms of all-reduce per step is not hidden{bw_text}: "
-            "compress gradients for the wire (model.register_comm_hook(None, "
-            "lockstep.bf16_compress_hook)) to halve the bytes")))
+        if observed:
+            out.append(Action(gain(exposed / 2), (
+                f"{exposed * 1e3:.1f} ms of all-reduce per step is not hidden{bw_text}: "
+                "compress gradients for the wire (model.register_comm_hook(None, "
+                "lockstep.bf16_compress_hook)) to halve the bytes")))
         cap = round(bucket["bytes"] / _MB / 4, 2) if bucket is not None else 0.0
-        if bucket is not None and bucket["last_param"] and cap >= 0.01:  # else one small tensor
+        if observed and bucket is not None and bucket["last_param"] and cap >= 0.01:
+            # (cap < 0.01: the bucket is one small tensor)
             out.append(Action(gain(min(exposed, bucket["exposed_s"]) / 2), (
                 f"bucket {bucket['index']} ({bucket['bytes'] / _MB:.2f} MB) is ready only when "
                 f"{bucket['last_param']} arrives, {bucket['ready_share']:.0%} into backward, "

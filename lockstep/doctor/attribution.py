@@ -91,6 +91,9 @@ class Attribution:
     # Mean seconds per phase of the ranks that waited (all but each step's slowest): the
     # work every rank does, without the straggler's excess; the speedup account starts here.
     baseline: dict[str, float] = field(default_factory=dict)
+    # False when a run of several ranks timed no bucket's all-reduce (torch's DDP with a comm
+    # hook registered before the first forward): ``hidden_share`` and ``busbw`` are then unknown
+    buckets_observed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,12 +161,18 @@ def attribute(profile: dict[str, Any], matrix: list[list[dict[str, float]]]) -> 
     critical_exposed = statistics.fmean(
         statistics.fmean(matrix[r][k]["step"] for r in ranks) - _own(matrix[s][k])
         for k, s in enumerate(crit)) if crit else phases.get("exposed_comm", 0.0)
-    hidden = max(0.0, 1 - critical_exposed / total_time) if total_time > 0 else 1.0
+    observed = world == 1 or total_time > 0
+    # nothing to hide at world 1; unknown (reported as 0, with buckets_observed False) when the
+    # all-reduces were not seen
+    hidden = max(0.0, 1 - critical_exposed / total_time) if total_time > 0 else float(world == 1)
     return Attribution(straggler, critical_exposed, exposed, total_time, hidden, bus,
-                       _baseline(matrix, crit) if len(matrix) > 1 else dict(phases))
+                       _baseline(matrix, crit) if len(matrix) > 1 else dict(phases),
+                       observed)
 
 
 def _baseline(matrix: list[list[dict[str, float]]], crit: list[int]) -> dict[str, float]:
+    if not crit:
+        raise ValueError("attribute: no step after warm-up; the run ended within its warm-up")
     ranks = range(len(matrix))
     return {p: statistics.fmean(statistics.fmean(matrix[r][k][p] for r in ranks if r != s)
                                 for k, s in enumerate(crit)) for p in (*PHASES, "step")}

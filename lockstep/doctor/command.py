@@ -3,8 +3,10 @@
 The script runs unchanged under ``lockstep run``: the doctor only sets ``LOCKSTEP_PROFILE*``
 (see ``profile_env.py``), which every :class:`lockstep.DistributedDataParallel` reads, and stops each
 run after ``--steps`` steps. Both runs use the script's own batch per worker, so world N does N
-times the work of world 1 per step. On a machine without GPUs the world-1 run gets one worker's
-share of the cores (``OMP_NUM_THREADS``), as one of N workers would.
+times the work of world 1 per step (a script that splits a global batch is compared per sample:
+see :mod:`~lockstep.doctor.account`). On a machine without GPUs the world-1 run gets one worker's
+share of the cores (``OMP_NUM_THREADS``), as one of N workers would. When the world-1 run fails
+(a script written for N workers), the world-N run is still explained, without the account.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import Any
 
 from lockstep.doctor.account import Account, speedup_account
 from lockstep.doctor.profile_env import PROFILE_ENV, STEPS_ENV, WARMUP_ENV
-from lockstep.doctor.profile_file import build_profile, load_ranks, timeline
+from lockstep.doctor.profile_file import (
+    build_profile,
+    load_ranks,
+    steps_ended_in_warmup,
+    timeline,
+)
 from lockstep.doctor.render import plot_timeline, write_trace
 
 __all__ = ["add_doctor_arguments", "findings_text", "run_doctor"]
@@ -86,19 +93,14 @@ def findings_text(profile: dict[str, Any]) -> str:
             lines.append(f"  straggler: rank {s['rank']}, {s['phase_excess_s'] * 1e3:.1f} ms "
                          f"slower in {s['phase']}; the others wait {s['waited_s'] * 1e3:.1f} "
                          f"ms per step for it (slowest in {s['slowest_share']:.0%} of the steps)")
-        total = sum(b["bytes"] for b in profile["buckets"])
-        lines.append(
-            f"  communication: {len(profile['buckets'])} bucket(s), {total / 2**20:.2f} MB per "
-            f"step, {att['allreduce_s'] * 1e3:.1f} ms of all-reduce at "
-            f"{att['busbw'] / 1e9:.3f} GB/s bus bandwidth; backward hid "
-            f"{att['hidden_share']:.0%} of it, {att['exposed_comm_s'] * 1e3:.1f} ms exposed")
-        lines.append(f"  {'bucket':>6} {'MB':>7} {'ready':>9} {'all-reduce':>11} "
-                     f"{'busbw GB/s':>11} {'exposed':>9}  last gradient")
-        for b in profile["buckets"]:
+        if not att.get("buckets_observed", True):
             lines.append(
-                f"  {b['index']:>6} {b['bytes'] / 2**20:>7.2f} {b['ready'] * 1e3:>6.1f} ms "
-                f"{b['allreduce'] * 1e3:>8.1f} ms {b['busbw'] / 1e9:>11.3f} "
-                f"{b['exposed'] * 1e3:>6.1f} ms  {b['last_param'] or '-'}")
+                f"  communication: buckets not observed (the script registers its own comm hook "
+                f"before the first forward; see the warning above): "
+                f"{att['exposed_comm_s'] * 1e3:.1f} ms per step waited for at the end of "
+                "backward. Register the hook after the first forward to see each bucket")
+        else:
+            lines.extend(_bucket_lines(profile))
     per = profile["per_rank"]
     keys = ("data", "forward", "backward", "exposed_comm", "optimizer", "other", "step")
     lines.append("  per rank (ms/step): " + "  ".join(f"{k}" for k in keys))
@@ -108,8 +110,39 @@ def findings_text(profile: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _profile_of(folder: Path) -> dict[str, Any]:
+def _bucket_lines(profile: dict[str, Any]) -> list[str]:
+    """The communication line and the per-bucket table (buckets observed)."""
+    att, buckets = profile["attribution"], profile["buckets"]
+    total = sum(b["bytes"] for b in buckets)
+    lines = [
+        (f"  communication: {len(buckets)} bucket(s), {total / 2**20:.2f} MB per step, "
+         f"{att['allreduce_s'] * 1e3:.1f} ms of all-reduce at {att['busbw'] / 1e9:.3f} GB/s "
+         f"bus bandwidth; backward hid {att['hidden_share']:.0%} of it, "
+         f"{att['exposed_comm_s'] * 1e3:.1f} ms exposed"),
+        (f"  {'bucket':>6} {'MB':>7} {'ready':>9} {'all-reduce':>11} "
+         f"{'busbw GB/s':>11} {'exposed':>9}  last gradient"),
+    ]
+    for b in buckets:
+        lines.append(
+            f"  {b['index']:>6} {b['bytes'] / 2**20:>7.2f} {b['ready'] * 1e3:>6.1f} ms "
+            f"{b['allreduce'] * 1e3:>8.1f} ms {b['busbw'] / 1e9:>11.3f} "
+            f"{b['exposed'] * 1e3:>6.1f} ms  {b['last_param'] or '-'}")
+    return lines
+
+
+def _profile_of(folder: Path, warmup: int) -> dict[str, Any]:
+    """The run's profile, written to ``folder/profile.json``.
+
+    Raises:
+        FileNotFoundError: no rank wrote its profile.
+        ValueError: the run ended within its warm-up steps (nothing left to measure).
+    """
     ranks = load_ranks(folder)
+    ran = steps_ended_in_warmup(ranks, warmup)
+    if ran is not None:
+        raise ValueError(f"the script ended after {ran} step(s), within the {warmup} warm-up "
+                         "steps, so no step is left to measure: lower --warmup or let it run "
+                         "longer (more data, a larger --max-steps of its own)")
     profile = build_profile(ranks)
     (folder / "profile.json").write_text(json.dumps(profile, indent=1))
     return profile
@@ -127,6 +160,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     out: Path = args.out_dir
     worlds = [n] if args.no_baseline or n == 1 else [1, n]
     profiles: dict[int, dict[str, Any]] = {}
+    baseline_failed: str | None = None  # why the 1-worker run gave no baseline
     for world in worlds:
         try:
             rc = _launch(args, world, out / f"world{world}")
@@ -137,15 +171,25 @@ def run_doctor(args: argparse.Namespace) -> int:
             print(f"lockstep doctor: error: cannot write into --out-dir {out}: {err}",
                   file=sys.stderr)
             return 2
+        failure: str | None = None
         if rc != 0:
-            print(f"lockstep doctor: the {world}-worker run failed (exit {rc}); see above",
-                  file=sys.stderr)
-            return rc
-        try:
-            profiles[world] = _profile_of(out / f"world{world}")
-        except FileNotFoundError as err:
-            print(f"lockstep doctor: error: {err}", file=sys.stderr)
-            return 1
+            failure = f"the {world}-worker run failed (exit {rc}); see above"
+        else:
+            try:
+                profiles[world] = _profile_of(out / f"world{world}", args.warmup)
+            except (FileNotFoundError, ValueError) as err:
+                failure = f"error: {err}"
+        if failure is not None and world == 1 and n > 1:
+            # A script written for N workers (Lightning's devices=N) may refuse to run alone:
+            # explain the N-worker run anyway, without the speedup account.
+            baseline_failed = failure
+            print(f"lockstep doctor: {failure}\nlockstep doctor: the 1-worker baseline failed; "
+                  f"explaining the {n}-worker run without it (no speedup account; "
+                  "--no-baseline skips it)", file=sys.stderr)
+            continue
+        if failure is not None:
+            print(f"lockstep doctor: {failure}", file=sys.stderr)
+            return rc or 1
         recorded = profiles[world]["world_size"]
         if recorded != world:
             print(f"lockstep doctor: error: the {world}-worker run recorded a world of "
@@ -158,12 +202,13 @@ def run_doctor(args: argparse.Namespace) -> int:
     account: Account | None = None
     if 1 in profiles and n > 1:
         account = speedup_account(profiles[1], many)
-    report = _report(args, many, account)
+    report = _report(args, many, account, baseline_failed)
     print(report)
     summary = {"world_size": n, "script": args.training_script,
                "account": account.to_json() if account else None,
                "attribution": many["attribution"], "phases": many["phases"],
-               "baseline_phases": profiles[1]["phases"] if 1 in profiles else None}
+               "baseline_phases": profiles[1]["phases"] if 1 in profiles else None,
+               "baseline_error": baseline_failed}
     many_out = {**many, "account": summary["account"]}
     (out / "profile.json").write_text(json.dumps(many_out, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -204,12 +249,17 @@ def _run_dp_vs_ddp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, many: dict[str, Any], account: Account | None) -> str:
+def _report(args: argparse.Namespace, many: dict[str, Any], account: Account | None,
+            baseline_failed: str | None = None) -> str:
     head = (f"\nlockstep doctor: {args.training_script} on {many['world_size']} worker(s) "
             f"({many['backend']}, {many['device']}), batch {many['batch_size_per_rank']} per "
             f"worker, {many['steps']} steps after {args.warmup} warm-up")
     parts = [head]
     if account is not None:
         parts.append(account.table())
+    elif baseline_failed is not None:
+        parts.append(f"no speedup account: the 1-worker baseline run gave no profile "
+                     f"({baseline_failed}); the findings below are the "
+                     f"{many['world_size']}-worker run's alone")
     parts.append(findings_text(many))
     return "\n".join(parts)

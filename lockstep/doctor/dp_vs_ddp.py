@@ -16,6 +16,7 @@ is then the one a CPU user faces; on GPUs it is the one torch's documentation de
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import sys
@@ -187,25 +188,76 @@ def load_models_file(path: str | os.PathLike) -> dict[str, Any]:
     """``model_fn``, ``batch_fn`` (and ``loss_fn``, ``optimizer_fn`` if defined) from a file.
 
     The file is imported as a module named after it, its folder first on ``sys.path``, so DDP's
-    spawned workers import the same functions by name.
+    spawned workers import the same functions by name. It is first read without running it: a
+    file that does not define ``model_fn`` and ``batch_fn`` at its top level (a training script)
+    is refused before any of it runs. While it is imported ``sys.argv`` is ``[file]``, not the
+    doctor's own arguments (a module that parses its arguments at import sees none).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: it defines no ``model_fn`` or no ``batch_fn``.
+        ValueError: it does not parse, defines no ``model_fn`` or no ``batch_fn``, or its import
+            failed or exited (the message names the file and the error).
     """
     file = Path(path).resolve()
     if not file.is_file():
         raise FileNotFoundError(f"lockstep doctor --dp-vs-ddp: no file {file}; pass a .py file "
                                 "that defines model_fn() and batch_fn(step)")
+    needs = ("it needs model_fn() -> nn.Module and batch_fn(step) -> (inputs, targets), the "
+             "global batch, at its top level (loss_fn and optimizer_fn are optional)")
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError) as err:  # ValueError: null bytes
+        raise ValueError(f"lockstep doctor --dp-vs-ddp: {file} is not valid Python: {err}; "
+                         f"fix it ({needs})") from err
+    missing = [name for name in ("model_fn", "batch_fn") if name not in _top_level_names(tree)]
+    if missing:
+        raise ValueError(f"lockstep doctor --dp-vs-ddp: {file} defines no "
+                         f"{' or '.join(missing)}; {needs}. It was not run: --dp-vs-ddp takes a "
+                         "models file, not a training script")
     folder = str(file.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    module = importlib.import_module(file.stem)
+    argv = sys.argv
+    sys.argv = [str(file)]
+    try:
+        module = importlib.import_module(file.stem)
+    except (Exception, SystemExit) as err:
+        raise ValueError(f"lockstep doctor --dp-vs-ddp: {file}: importing it failed with "
+                         f"{type(err).__name__}: {err}; {needs}, and importing it must not "
+                         "train or exit") from err
+    finally:
+        sys.argv = argv
     found = {name: getattr(module, name) for name in
              ("model_fn", "batch_fn", "loss_fn", "optimizer_fn") if hasattr(module, name)}
     missing = [name for name in ("model_fn", "batch_fn") if name not in found]
     if missing:
         raise ValueError(f"lockstep doctor --dp-vs-ddp: {file} defines no {' or '.join(missing)}; "
-                         "it needs model_fn() -> nn.Module and batch_fn(step) -> (inputs, "
-                         "targets), the global batch (loss_fn and optimizer_fn are optional)")
+                         f"{needs}")
     return found
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names the module binds at its top level (definitions, assignments, imports)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            if any(a.name == "*" for a in node.names):
+                names.update(("model_fn", "batch_fn"))  # a star import may bring them
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):  # definitions under a guard
+            names.update(_top_level_names(ast.Module(body=_blocks(node), type_ignores=[])))
+    return names
+
+
+def _blocks(node: ast.If | ast.Try | ast.With) -> list[ast.stmt]:
+    body = list(node.body)
+    if isinstance(node, (ast.If, ast.Try)):
+        body += node.orelse
+    if isinstance(node, ast.Try):
+        body += [s for h in node.handlers for s in h.body] + node.finalbody
+    return body

@@ -21,6 +21,7 @@ __all__ = [
     "busbw",
     "load_ranks",
     "step_matrix",
+    "steps_ended_in_warmup",
     "timeline",
 ]
 
@@ -38,11 +39,25 @@ def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
     if not paths:
         raise FileNotFoundError(
             f"no rank*.json in {folder}: the script built no lockstep.DistributedDataParallel "
-            "(wrap the model with it, or with lockstep.Runtime.wrap, even at world 1), or it "
-            "ended before its first step, or its ranks failed to write their profile at exit "
-            "(their error is in the workers' output above)"
+            "(wrap the model with it, or with lockstep.Runtime.wrap, even at world 1), nor a "
+            "torch.nn.parallel.DistributedDataParallel, nor (in a single process) a model whose "
+            "parameters a torch.optim optimizer steps; or it ended before its first step, or "
+            "its ranks failed to write their profile at exit (their error is in the workers' "
+            "output above)"
         )
     return [json.loads(p.read_text()) for p in paths]
+
+
+def steps_ended_in_warmup(ranks: list[dict[str, Any]], warmup: int) -> int | None:
+    """How many steps a run took that ended within its ``warmup`` steps (None: it did not).
+
+    A rank file's ``warmup`` is what is left of the warm-up among its kept steps, so a rank
+    that ended in warm-up ran ``warmup - that + len(steps)`` steps.
+    """
+    short = [r for r in ranks if len(r["steps"]) <= r.get("warmup", 0)]
+    if not short:
+        return None
+    return min(max(0, warmup - r.get("warmup", 0)) + len(r["steps"]) for r in short)
 
 
 def _offsets(ranks: list[dict[str, Any]]) -> list[float]:
@@ -160,11 +175,18 @@ def _phase_means(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def build_profile(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``profile.json`` object for one run (format and extra fields: see the docs)."""
+    """The ``profile.json`` object for one run (format and extra fields: see the docs).
+
+    Raises:
+        ValueError: the run ended within its warm-up (no step is left to measure).
+    """
     from lockstep.doctor.attribution import attribute, critical_steps
 
     first = ranks[0]
     matrix = step_matrix(ranks)
+    if not matrix or not matrix[0]:
+        raise ValueError("build_profile: no rank has a step after its warm-up steps; the run "
+                         "ended within its warm-up: lower the warm-up or let it run longer")
     critical = critical_steps(matrix) if matrix and matrix[0] else None
     per_rank = [
         {"rank": r["rank"], "host": r["host"], "phases": _phase_means(rows)}

@@ -53,6 +53,8 @@ class Recorder:
         warmup: first steps left out of summaries (bucket rebuild, allocator, caches).
         gather_every: steps between cross-rank summaries logged on rank 0 (0: never).
         history: most recent steps kept (older ones are dropped; summaries use what is kept).
+        steps_done: steps the model already took before recording began (they count towards
+            ``warmup`` and ``max_steps``: a model found at its first optimizer step).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class Recorder:
         warmup: int = 5,
         gather_every: int = 0,
         history: int = 2000,
+        steps_done: int = 0,
     ) -> None:
         if warmup < 0 or gather_every < 0 or history < 1 or (max_steps is not None and max_steps < 1):
             raise ValueError(
@@ -86,7 +89,7 @@ class Recorder:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.max_steps, self.warmup, self.gather_every = max_steps, warmup, gather_every
         self.steps: collections.deque[StepRecord] = collections.deque(maxlen=history)
-        self.step_count = 0
+        self.step_count = steps_done
         self.batch_size: int | None = None
         self._pending: list[StepRecord] = []  # closed steps whose CUDA events are not resolved
         self._iterations: collections.deque[tuple[Stamp, Stamp, Stamp, Stamp, Stamp]] = (

@@ -1,7 +1,8 @@
 """What one rank records per step, and the phases a step splits into.
 
 A step runs from the end of the previous optimizer step to the end of this one. Inside it:
-``data`` (until the first forward), ``forward``, ``backward`` (first gradient to last),
+``data`` (until the first forward, from the last optimizer step before it: a second optimizer
+of the model steps after the first one closed the step, and that is optimizer time), ``forward``, ``backward`` (first gradient to last),
 ``exposed_comm`` (after the last gradient, waiting for all-reduces), ``optimizer``, and
 ``other``: host time between those phases (the loss, ``zero_grad``, gradient clipping). Every
 phase is measured, so they add up to the step's wall time exactly; ``other`` is the part the
@@ -63,10 +64,13 @@ def phases_of(step: dict[str, Any]) -> dict[str, float]:
     """Seconds per phase (see :data:`PHASES`) and ``step``, from a :meth:`StepRecord.to_json`."""
     begin, end = step["begin"], step["end"]
     first = step["forwards"][0][0] if step["forwards"] else begin
+    # A step closes at its first optimizer's end; a second optimizer (two optimizers on one
+    # model) steps after that, before the next forward: optimizer time, not data.
+    data_from = max([begin, *(e for _, e in step["optimizer"] if e <= first)])
     # A forward's first part waits on collectives (buffer broadcast, join's announcement):
     # communication nothing hides, so it counts as exposed, not as forward compute.
     out = {
-        "data": max(0.0, first - begin),
+        "data": max(0.0, first - data_from),
         "forward": sum(e - m for _, m, e in step["forwards"]),
         "backward": sum(c - s for s, c, _ in step["backwards"]),
         "exposed_comm": sum(e - c for _, c, e in step["backwards"])

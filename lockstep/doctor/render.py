@@ -23,7 +23,10 @@ COLORS = {
 def spans(step: dict[str, Any]) -> Iterator[tuple[str, str, float, float]]:
     """``(lane, name, start, end)`` of one step: lane "compute" or "comm"."""
     if step["forwards"]:
-        yield "compute", "data", step["begin"], step["forwards"][0][0]
+        first = step["forwards"][0][0]
+        # from the last optimizer step before the forward (a second optimizer), as phases_of
+        begin = max([step["begin"], *(e for _, e in step["optimizer"] if e <= first)])
+        yield "compute", "data", begin, first
     for s, m, e in step["forwards"]:
         if m > s:
             yield "compute", "exposed wait", s, m  # buffer broadcast before the forward

@@ -22,8 +22,10 @@ Only public seams are used:
 One private name is used, in :func:`_after_backward`: the autograd engine's ``queue_callback``
 (what torch's DDP itself uses to finish a backward), to mark the end of backward.
 
-A world of one has no DDP (Trainer does not wrap a single process): there the outermost module
-whose parameters the first optimizer step updates is recorded from its next forward on, and
+A world of one has no DDP (Trainer does not wrap a single process): there the first outermost
+module called since the last optimizer step whose parameters that step updates (the model, not
+a loss module such as ``nn.MSELoss()`` called after it) is recorded from its next forward on,
+that step counting as the first (so a bounded run ends after ``--steps`` optimizer steps), and
 :class:`~lockstep.ddp.arrivals.GradientArrivals` marks the buckets DDP would send.
 
 Gradient hooks, and their cost: a Python hook on every parameter cost 10-20% of a GPU step
@@ -89,7 +91,7 @@ def _after_backward(callback: Callable[[], None]) -> None:
 class DDPObserver:
     """Records one model: a torch DDP instance (``ddp`` True) or a plain module (world of one)."""
 
-    def __init__(self, module: nn.Module, settings: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module, settings: dict[str, Any], steps_done: int = 0) -> None:
         from lockstep.ddp.profiling import _model_entry
 
         self.ddp = module if isinstance(module, TorchDDP) else None
@@ -107,7 +109,7 @@ class DDPObserver:
         broadcast = bool(getattr(self.ddp, "broadcast_buffers", False))
         self.recorder = Recorder(device, [p for _, p in named], group, self._bucket_layout,
                                  _model_entry(inner, list(inner.buffers()), broadcast),
-                                 **settings)
+                                 **settings, steps_done=steps_done)
         self.recorder.model_info["observed"] = ("torch.nn.parallel.DistributedDataParallel"
                                                 if self.ddp is not None else type(inner).__name__)
         self._handles = [module.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
@@ -278,15 +280,17 @@ class TorchDDPWatch:
         self._warned_second = False  # a second torch DDP was named once (see _module_pre)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._depth = 0
-        self._root: weakref.ref[nn.Module] | None = None
+        # world of one: the top-level modules called since the last optimizer step, in order
+        # (the model, then a loss module such as nn.MSELoss: the first the optimizer updates wins)
+        self._roots: list[weakref.ref[nn.Module]] = []
         self._single: weakref.ref[nn.Module] | None = None  # world of one: record this next
         self._handles = [register_module_forward_pre_hook(self._module_pre),
                          register_module_forward_hook(self._module_post),
                          register_optimizer_step_pre_hook(self._optimizer_pre)]
 
     def _module_pre(self, module: nn.Module, inputs: Any) -> None:
-        if self._depth == 0:
-            self._root = weakref.ref(module)
+        if self._depth == 0 and not any(ref() is module for ref in self._roots):
+            self._roots.append(weakref.ref(module))
         self._depth += 1
         if module in self._seen:
             return
@@ -305,7 +309,9 @@ class TorchDDPWatch:
                         "others' time counts as 'other'", type(module.module).__name__,
                         f"{sum(p.numel() for p in module.parameters()):,}")
                 return
-            observer = DDPObserver(module, self.settings)
+            # a model found at its first optimizer step (world of one): that step counts, so a
+            # bounded run ends after --steps optimizer steps, as it does under DDP
+            observer = DDPObserver(module, self.settings, steps_done=1 if module is single else 0)
             if observer.ddp is not None and not self.observers:
                 atexit.register(self._at_exit)
             self.observers.append(observer)
@@ -315,16 +321,19 @@ class TorchDDPWatch:
         self._depth = max(0, self._depth - 1)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.observers or self._single is not None or self._root is None:
+        roots, self._roots = [ref() for ref in self._roots], []
+        if self.observers or self._single is not None:
             return
         if dist.is_initialized() and dist.get_world_size() > 1:
             return  # a larger world records its DDP; nothing else is guessed
-        root = self._root()
-        if root is None or root in self._seen or getattr(root, "profiler", None) is not None:
-            return  # gone, recorded, or lockstep's own DDP (which records itself)
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(id(p) in ids for p in root.parameters()):
-            self._single = weakref.ref(root)  # recorded from its next forward
+        for root in roots:  # the first one this optimizer updates (not a loss module after it)
+            if root is None or root in self._seen or not any(
+                    id(p) in ids for p in root.parameters()):
+                continue
+            if getattr(root, "profiler", None) is None:  # not lockstep's DDP (records itself)
+                self._single = weakref.ref(root)  # recorded from its next forward
+            return
 
     def stop_discovery(self) -> None:
         """Record the models found so far, and no new ones (removes the global hooks)."""
