@@ -200,6 +200,31 @@ def test_inference_replicas_are_cached_and_refreshed_after_a_step(monkeypatch):
     assert len(calls) == 7
 
 
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+def test_cached_replicas_follow_plain_attributes_and_skip_inference_tensors():
+    # Found by an outside audit: a cached replica kept the temperature it was made with (rows of
+    # the second replica 0.5 off), and a model built under inference_mode crashed the cache.
+    model = _Tempered().eval()
+    dp = DataParallel(model, CPU2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        dp(x)
+        model.temperature = 2.0  # no tensor changed: the cached replicas are reused
+        torch.testing.assert_close(dp(x), model(x))
+    with torch.inference_mode():
+        built = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)).eval()
+        torch.testing.assert_close(DataParallel(built, CPU2)(x), built(x))
+
+
 def test_state_dict_has_no_prefix_and_load_accepts_both():
     torch.manual_seed(0)
     dp = DataParallel(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), CPU2)
@@ -246,6 +271,11 @@ def test_constructor_errors():
         DataParallel(lin, CPU2, loss_fn=nn.MSELoss(), loss_reduction="avg")
 
 
+class _Branchy(nn.Module):
+    def forward(self, x):
+        return x * 2, (x if bool((x > 0).all()) else None)
+
+
 def test_forward_errors():
     with pytest.raises(ValueError, match=r"parameter 'weight' is on meta but DataParallel needs the module on "
                                          r"device_ids\[0\] = cpu"):
@@ -254,6 +284,14 @@ def test_forward_errors():
     with pytest.raises(ValueError, match=r"inputs\['kwargs'\]\['x'\] is on meta but this DataParallel drives "
                                          r"cpu devices \['cpu', 'cpu'\]; move the input to cpu"):
         dp(x=torch.ones(2, 2, device="meta"))
+    # None from one replica and a tensor from another: the same error in either order
+    branchy = DataParallel(_Branchy(), CPU2)
+    for x in (torch.tensor([[1.0], [1.0], [-1.0], [-1.0]]), torch.tensor([[-1.0], [-1.0], [1.0], [1.0]])):
+        with pytest.raises(ValueError, match=r"a tensor and a non-tensor at output\[1\]"):
+            branchy(x)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.zeros(3, 2, 4), [3, 2], batch_first=False)
+    with pytest.raises(ValueError, match="cannot scatter a PackedSequence"):
+        DataParallel(nn.LSTM(4, 4), CPU2)(packed)
     dp = DataParallel(nn.Linear(2, 3), CPU2, loss_fn=lambda out, y: out - y)
     with pytest.raises(ValueError, match=r"loss_fn returned \(1, 3\) on replica 0, not a scalar, with "
                                          r"loss_reduction='mean'"):

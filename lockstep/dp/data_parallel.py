@@ -38,7 +38,7 @@ from lockstep.dp.devices import (
 )
 from lockstep.dp.observer import DataParallelObserver
 from lockstep.dp.parallel_apply import parallel_apply
-from lockstep.dp.replica_cache import ReplicaCache
+from lockstep.dp.replica_cache import ReplicaCache, cacheable
 from lockstep.dp.replicate import check_module_device, replicate
 from lockstep.dp.scatter_gather import gather, named_tensors, scatter_kwargs
 from lockstep.tensors import batch_size, iter_tensors, move_to
@@ -160,7 +160,8 @@ class DataParallel(nn.Module):
         """
         devices = [as_device(d) for d in device_ids]
         cache = {id(self.module): self._model_cache, id(self.loss_fn): self._loss_cache}.get(id(module))
-        caching = self.cache_replicas and not torch.is_grad_enabled() and cache is not None
+        caching = (self.cache_replicas and not torch.is_grad_enabled() and cache is not None
+                   and cacheable(module))
         if caching and devices == self.device_ids[: len(devices)]:
             # Cached for every device, so a short last batch (fewer replicas) reuses them too.
             assert cache is not None

@@ -6,8 +6,10 @@ autograd are kept, keyed by each parameter's and buffer's identity, storage and 
 (bumped by every in-place update: optimizer steps, ``load_state_dict``, BatchNorm statistics)
 and by the train/eval flags, and rebuilt only when that key changes.
 
-Limit: writes through ``tensor.data`` do not bump the version counter; call :meth:`clear` after
-such a write (or build the wrapper with ``cache_replicas=False``).
+Plain attributes (a temperature, an ``eps``) are copied again from the module at every reuse.
+A module holding inference tensors (made under ``torch.inference_mode()``, which keep no
+version counter) is not cached. Limit: writes through ``tensor.data`` do not bump the version
+counter; call :meth:`clear` after such a write (or build the wrapper with ``cache_replicas=False``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ import torch
 from torch import nn
 
 from lockstep._torch_compat import tensor_version
-from lockstep.dp.replicate import replicate
+from lockstep.dp.replicate import refresh_attributes, replicate
 
-__all__ = ["ReplicaCache", "state_key"]
+__all__ = ["ReplicaCache", "cacheable", "state_key"]
+
+
+def cacheable(module: nn.Module) -> bool:
+    """Whether replicas of ``module`` may be kept: not for inference tensors (made under
+    ``torch.inference_mode()``), which have no version counter to tell a change by."""
+    return not any(t.is_inference() for t in [*module.parameters(), *module.buffers()])
 
 
 def state_key(module: nn.Module) -> tuple[Any, ...]:
@@ -47,6 +55,9 @@ class ReplicaCache:
             self.clear()  # drop the stale copies before making new ones: peak memory
             self._replicas = replicate(module, devices, detach=True)
             self._key = key
+        else:  # the same tensors: plain attributes set since (a temperature, an eps) follow
+            for replica in self._replicas:
+                refresh_attributes(module, replica)
         return self._replicas
 
     def clear(self) -> None:

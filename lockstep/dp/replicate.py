@@ -24,7 +24,7 @@ from lockstep._torch_compat import refresh_rnn_flat_weights
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
-__all__ = ["check_module_device", "replicate"]
+__all__ = ["check_module_device", "refresh_attributes", "replicate"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -110,6 +110,25 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         a_index = a.index if a.index is not None else current
         return a_index == (b.index if b.index is not None else current)
     return a.index == b.index or a.type == "cpu"
+
+
+_OWN = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def refresh_attributes(network: nn.Module, replica: nn.Module) -> None:
+    """Give ``replica`` (made by :func:`replicate`) the plain attributes ``network`` has now.
+
+    A replica kept between forwards (``lockstep.dp.replica_cache``) took a copy of each
+    module's attributes when it was made; a temperature, an ``eps`` or a flag set since must
+    reach it as they reach the module. Its own tensors and children stay.
+    """
+    if replica is network:
+        return
+    for original, clone in zip(network.modules(), replica.modules()):
+        for name, value in original.__dict__.items():
+            if name not in _OWN and clone.__dict__.get(name) is not value:
+                clone.__dict__[name] = value
+        _refresh_cached_references(clone)
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from lockstep.dp.devices import DeviceLike, as_device
 from lockstep.tensors import iter_tensors, map_tensors, move_to
@@ -92,6 +93,12 @@ def count_replicas(obj: Any, n_devices: int, dim: int = 0) -> int:
     Raises:
         ValueError: a tensor to split has no dimension ``dim`` or is empty along it.
     """
+    if _holds_packed(obj):
+        raise ValueError(
+            "cannot scatter a PackedSequence: its rows are interleaved by time step, so no "
+            "slice of it is a batch of whole sequences. Pass the padded tensor and the lengths, "
+            "and pack inside forward (torch.nn.utils.rnn.pack_padded_sequence)"
+        )
     sizes = [n_devices]
     for tensor in iter_tensors(obj):
         if tensor.dim() == 0:
@@ -100,6 +107,16 @@ def count_replicas(obj: Any, n_devices: int, dim: int = 0) -> int:
             _raise_unsplittable(obj, dim)
         sizes.append(tensor.size(dim))
     return min(sizes)
+
+
+def _holds_packed(obj: Any) -> bool:
+    if isinstance(obj, PackedSequence):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_packed(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_packed(v) for v in obj)
+    return False
 
 
 def _raise_unsplittable(obj: Any, dim: int) -> None:
@@ -196,6 +213,10 @@ def _gather(values: list[Any], device: torch.device, dim: int, path: str) -> Any
             return torch.stack(moved)
         return torch.cat(moved, dim)
     if first is None or not _is_container(first):
+        if any(isinstance(v, torch.Tensor) or _is_container(v) for v in values):
+            # None on one replica, a tensor on another (a branch taken for some chunks only):
+            # the same error whichever replica had which (torch keeps replica 0's None)
+            raise ValueError(f"replicas returned a tensor and a non-tensor at {path}")
         return _gather_plain(values)
     _check_same_shape(values, path)
 
