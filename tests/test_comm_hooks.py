@@ -105,7 +105,26 @@ def _hooks_under_ddp(rank: int, world: int) -> dict:
             for p, q in zip(ddp.parameters(), reference.parameters())
         )
         errors[hook.__name__] = (worst, state.counter.steps, state.counter.bytes_sent)
+    errors["torch_wrappers_equal"] = _torch_wrappers_equal(mine)
     return errors
+
+
+def _torch_wrappers_equal(mine: torch.Tensor) -> bool:
+    """torch's fp16 compress wrapper: the same gradients under lockstep's DDP as under torch's
+    (before 2026-11-28 set_buffer copied into the fp32 buffer: nothing was compressed). torch's
+    bf16 wrapper refuses the CPU; it takes the same path."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    same = True
+    for wrapper in (default_hooks.fp16_compress_wrapper,):
+        grads = []
+        for ddp_class in (torch.nn.parallel.DistributedDataParallel, lockstep.DistributedDataParallel):
+            ddp = ddp_class(_net())
+            ddp.register_comm_hook(None, wrapper(default_hooks.allreduce_hook))
+            ddp(mine).square().mean().backward()
+            grads.append([p.grad for p in ddp.parameters()])
+        same = same and all(torch.equal(a, b) for a, b in zip(*grads))
+    return same
 
 
 @pytest.mark.multirank
@@ -127,6 +146,7 @@ def test_hooks_reduce_to_the_mean_within_dtype_bound_at_world_2():
         assert ddp["bf16_compress_hook"][0] < 2e-2
         full_bytes = ddp["uncompressed_hook"][2]
         assert ddp["fp16_compress_hook"][2] * 2 == full_bytes == ddp["bf16_compress_hook"][2] * 2
+        assert ddp.pop("torch_wrappers_equal")
         assert all(steps == 1 for _, steps, _ in ddp.values())
 
 

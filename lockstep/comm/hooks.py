@@ -42,6 +42,7 @@ class GradBucket:
     ) -> None:
         self._index = index
         self._buffer = buffer
+        self._grads = buffer  # the bucket's own memory, whatever set_buffer puts in its place
         self._parameters = parameters
         self._offsets = offsets
         self._is_last = is_last
@@ -53,15 +54,19 @@ class GradBucket:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        """Make ``tensor`` the bucket's buffer, as torch's does: a wrapper hook (torch's
+        ``fp16_compress_wrapper``) hands its inner hook a buffer of another dtype this way. The
+        reducer copies the hook's result back into its own buffer."""
+        self._buffer = tensor
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self._parameters)
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view of the buffer, shaped like the parameter."""
+        """Each parameter's gradient as a view of the bucket's own buffer (not one given to
+        :meth:`set_buffer`, as torch's), shaped like the parameter."""
         return [
-            self._buffer[off : off + p.numel()].view_as(p)
+            self._grads[off : off + p.numel()].view_as(p)
             for p, off in zip(self._parameters, self._offsets)
         ]
 
