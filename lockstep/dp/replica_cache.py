@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lockstep._torch_compat import tensor_version
-from lockstep.dp.replicate import refresh_attributes, replicate
+from lockstep.dp.replicate import module_pairs, refresh_attributes, replicate
 
 __all__ = ["ReplicaCache", "cacheable", "state_key"]
 
@@ -47,6 +47,7 @@ class ReplicaCache:
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._replicas: list[nn.Module] = []
+        self._pairs: list[tuple[nn.Module, nn.Module]] = []  # (original, copy), copies only
 
     def get(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
         """Replicas of ``module`` on ``devices`` (detached), reusing the last ones if still current."""
@@ -54,13 +55,15 @@ class ReplicaCache:
         if key != self._key:
             self.clear()  # drop the stale copies before making new ones: peak memory
             self._replicas = replicate(module, devices, detach=True)
+            self._pairs = [pair for replica in self._replicas if replica is not module
+                           for pair in module_pairs(module, replica)]
             self._key = key
         else:  # the same tensors: plain attributes set since (a temperature, an eps) follow
-            for replica in self._replicas:
-                refresh_attributes(module, replica)
+            refresh_attributes(self._pairs)
         return self._replicas
 
     def clear(self) -> None:
         """Forget the replicas (and free their memory on the other devices)."""
         self._key = None
         self._replicas = []
+        self._pairs = []

@@ -13,6 +13,7 @@ are copied without it. Slots registered as None (``bias=False``) stay None in th
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
@@ -24,7 +25,7 @@ from lockstep._torch_compat import refresh_rnn_flat_weights
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
-__all__ = ["check_module_device", "refresh_attributes", "replicate"]
+__all__ = ["check_module_device", "module_pairs", "refresh_attributes", "replicate"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -115,20 +116,32 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 _OWN = frozenset({"_parameters", "_buffers", "_modules"})
 
 
-def refresh_attributes(network: nn.Module, replica: nn.Module) -> None:
-    """Give ``replica`` (made by :func:`replicate`) the plain attributes ``network`` has now.
+def module_pairs(network: nn.Module, replica: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """Each submodule of ``network`` with its copy in ``replica`` (made by :func:`replicate`)."""
+    return list(zip(network.modules(), replica.modules()))
+
+
+def refresh_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None:
+    """Give each replica module of ``pairs`` (:func:`module_pairs`) the plain attributes its
+    original has now.
 
     A replica kept between forwards (``lockstep.dp.replica_cache``) took a copy of each
     module's attributes when it was made; a temperature, an ``eps`` or a flag set since must
     reach it as they reach the module. Its own tensors and children stay.
     """
-    if replica is network:
-        return
-    for original, clone in zip(network.modules(), replica.modules()):
-        for name, value in original.__dict__.items():
-            if name not in _OWN and clone.__dict__.get(name) is not value:
-                clone.__dict__[name] = value
-        _refresh_cached_references(clone)
+    for original, clone in pairs:
+        theirs, mine = original.__dict__, clone.__dict__
+        # Fast path, at C speed: the same keys in the same order (a copy) and only the three
+        # own slots differ, as when nothing was set since the last look.
+        if len(theirs) == len(mine) and sum(map(operator.is_not, theirs.values(),
+                                                 mine.values())) == len(_OWN):
+            continue
+        changed = [name for name, value in theirs.items()
+                   if mine.get(name) is not value and name not in _OWN]
+        if changed:
+            for name in changed:
+                mine[name] = theirs[name]
+            _refresh_cached_references(clone)
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
