@@ -291,7 +291,15 @@ def finish_on_sigterm() -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 
+    busy: list[bool] = []
+
     def handler(signum: int, frame: Any) -> None:
+        # Another SIGTERM while this one waits (a launcher and a scheduler both stopping the
+        # job) must not wait too: run between two bytecodes of the wait, it could find the
+        # thread's lock taken by the wait itself and never return (seen once in 150 runs).
+        if busy:
+            return
+        busy.append(True)
         for pending in list(_PENDING):
             pending.hurry(_PEERS_AFTER_SIGTERM_S)
             error = pending.join()
