@@ -139,3 +139,29 @@ def test_doctor_refuses_a_run_whose_workers_never_met(tmp_path):
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1, done.stderr[-2000:]
     assert "the 2-worker run recorded a world of 1" in done.stderr
+
+
+_SAVER = """
+import sys
+from lockstep.doctor.rank_file import RankFile
+steps = [0]
+f = RankFile(sys.argv[1], 0, lambda: {"steps": steps[0]}, lambda: steps[0])
+for i in range(1500):
+    steps[0] = i
+    f.save()
+"""
+
+
+def test_workers_that_are_each_rank_0_write_the_same_rank_file_without_failing(tmp_path):
+    # Workers that never met a process group are each rank 0 of their own world and save
+    # rank0.json at once; a shared temporary name made one's rename fail (seen in the slow
+    # tier's test above under load): the doctor said "the run failed" instead of naming why.
+    script = tmp_path / "saver.py"
+    script.write_text(_SAVER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "o")], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["rank0.json"]

@@ -43,7 +43,10 @@ class RankFile:
             return None
         self._saved_at = steps
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        # Named by process: workers that never met a process group are each rank 0 and write
+        # the same file; a shared temporary name made one's rename fail (the doctor then
+        # reported a failed run instead of naming the missing group).
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self._payload()))
         tmp.replace(self.path)
         return self.path
