@@ -684,3 +684,12 @@ def test_gpu_checks_on_every_gpu(tmp_path):
     _check_equivalences(results)
     if world > 1:
         _check_sharded_memory(results)
+
+
+def test_join_names_the_optimizer_it_cannot_shadow(world_of_one):
+    from torch.distributed.algorithms import Join
+
+    model = lockstep.DistributedDataParallel(nn.Linear(2, 2))
+    opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="not a Joinable yet"), Join([model, opt]):
+        pass

@@ -163,6 +163,19 @@ class ZeroRedundancyOptimizer(Optimizer):
         return clip_owned(self._buckets, self.rank, self.process_group, max_norm, norm_type,
                           error_if_nonfinite)
 
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refuse ``torch.distributed.algorithms.Join([model, optimizer])`` with a reason.
+
+        Not a ``Joinable`` yet (docs/zero.md); torch's ``Join`` asks for this hook first, so its
+        users get this message instead of a bare ``AttributeError``.
+        """
+        raise TypeError(
+            "lockstep.ZeroRedundancyOptimizer is not a Joinable yet, so Join cannot stand in "
+            "for its step() on a rank that ran out of data: with uneven inputs, have every rank "
+            "run the same number of steps (e.g. the smallest batch count, agreed with "
+            "dist.all_reduce(..., op=dist.ReduceOp.MIN)); docs/zero.md"
+        )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (e.g. layers unfrozen while fine-tuning); every rank must call it alike.
 
