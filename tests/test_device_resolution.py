@@ -125,3 +125,19 @@ def test_one_error_type_for_a_device_that_is_not_there(gpus):
         resolve_device_ids([9])
     assert issubclass(DeviceUnavailableError, RuntimeError)  # what torch raises for a missing GPU
     assert issubclass(DeviceUnavailableError, ValueError)  # what DataParallel raised before
+
+
+@pytest.mark.parametrize("device_ids, output_device", [([0, 1], None), ([0], 0), (None, 0), (["cuda:0", "cuda:1"], 1)])
+def test_dataparallel_naming_gpus_without_cuda_runs_on_the_cpu_like_torch(monkeypatch, device_ids, output_device):
+    """torch's DataParallel ignores device_ids/output_device when CUDA is not available, so a
+    script written for GPUs runs on a laptop; lockstep's does the same, and says so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 2), torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="CUDA is not available: the module runs on the CPU"):
+        ours = lockstep.DataParallel(model, device_ids=device_ids, output_device=output_device)
+    theirs = torch.nn.DataParallel(model, device_ids=device_ids, output_device=output_device)
+    assert torch.equal(ours(x), theirs(x))
+    assert ours.device_ids == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="mixes device types"):  # a list naming the CPU is checked
+        lockstep.DataParallel(model, device_ids=["cpu", 0])

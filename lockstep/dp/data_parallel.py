@@ -33,6 +33,7 @@ from lockstep.dp.balance import device_capacities, imbalance_message
 from lockstep.dp.devices import (
     DeviceLike,
     as_device,
+    cuda_asked_without_cuda,
     resolve_device_ids,
     resolve_output_device,
 )
@@ -112,6 +113,14 @@ class DataParallel(nn.Module):
             )
         super().__init__()
         self.module = module
+        if cuda_asked_without_cuda(device_ids, output_device):
+            warnings.warn(
+                f"DataParallel(device_ids={device_ids if device_ids is None else list(device_ids)!r}, "
+                f"output_device={output_device!r}) "
+                "names CUDA devices, but CUDA is not available: the module runs on the CPU as it is, "
+                "as torch.nn.DataParallel does. Check CUDA_VISIBLE_DEVICES and the torch build if "
+                "GPUs were meant", stacklevel=2)
+            device_ids, output_device = None, None
         self.device_ids = resolve_device_ids(device_ids)
         self.src_device_obj = self.device_ids[0]
         self.output_device = resolve_output_device(output_device, self.src_device_obj)

@@ -8,7 +8,7 @@ import torch
 
 from lockstep.distributed import DeviceUnavailableError
 
-__all__ = ["DeviceLike", "as_device", "resolve_device_ids", "resolve_output_device"]
+__all__ = ["DeviceLike", "as_device", "cuda_asked_without_cuda", "resolve_device_ids", "resolve_output_device"]
 
 DeviceLike = torch.device | str | int
 
@@ -18,6 +18,26 @@ def as_device(device: DeviceLike) -> torch.device:
     if isinstance(device, int):
         return torch.device("cpu") if device == -1 else torch.device("cuda", device)
     return torch.device(device)
+
+
+def cuda_asked_without_cuda(device_ids: Sequence[DeviceLike] | None, output_device: DeviceLike | None) -> bool:
+    """Whether only CUDA devices are named on a machine where CUDA is not available.
+
+    torch's ``DataParallel`` then ignores ``device_ids`` and ``output_device`` and runs the module
+    as it is (a script written for GPUs still runs on a laptop); :class:`DataParallel` does the
+    same, with a warning. Lists that name the CPU, or a malformed list, are left to
+    :func:`resolve_device_ids` to check.
+    """
+    if torch.cuda.is_available():
+        return False
+    named = [] if device_ids is None else list(device_ids)
+    if output_device is not None:
+        named.append(output_device)
+    try:
+        types = {as_device(d).type for d in named}
+    except (RuntimeError, TypeError):
+        return False
+    return types == {"cuda"}
 
 
 def resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
