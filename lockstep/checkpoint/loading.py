@@ -111,7 +111,10 @@ def load_into(
             "Pass the names used when saving."
         )
     files = ShardFiles(path, meta["world_size"], shard_ranks(meta))
-    for name, obj in objects.items():
+    # Objects saved whole first, then those saved one piece per rank, which may hold what is
+    # per rank in a whole object too (LocalSGD's own replica of the model saved from rank 0).
+    ordered = sorted(objects.items(), key=lambda item: item[0] in sharded)
+    for name, obj in ordered:
         if name not in sharded:
             apply_state(name, obj, saved[name], str(path / STATE_FILE))
         elif callable(getattr(obj, "load_sharded_state_dict", None)):

@@ -165,15 +165,59 @@ class LocalSGD:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        self._check_outer(state)
         self.local_steps = state["local_steps"]
         self.optimizer.load_state_dict(state["optimizer"])
-        if (state["outer"] is None) != (self.outer is None):
-            raise ValueError(
-                "checkpoint and LocalSGD disagree on outer_optimizer: build LocalSGD with the "
-                "same outer_optimizer setting the checkpoint was saved with"
-            )
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
             with torch.no_grad():
                 for anchor, saved in zip(self._anchors, state["anchors"]):
                     anchor.copy_(saved)
+
+    # -- one piece per rank, for lockstep.Checkpointer (see lockstep.checkpoint.sharded) ------
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's piece: :meth:`state_dict` plus this replica's parameters and buffers.
+
+        Between merges every rank holds its own replica and its own inner optimizer state
+        (momentum, Adam's moments): :class:`lockstep.Checkpointer` saves one piece per rank, so
+        that a run resumed from any step continues as if it had not stopped.
+        """
+        return {**self.state_dict(), "replica": [p.detach() for p in self._params],
+                "buffers": list(self._buffers)}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, pieces: Sequence[Any]) -> None:
+        """Load this rank's piece (``pieces[r]`` was saved by rank ``r``).
+
+        Restored by a world of another size, every rank starts from the mean of the saved
+        replicas (what a merge would have given) and rank ``r`` takes the inner optimizer state
+        saved by rank ``r % saved world``.
+        """
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        world = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+        own = pieces[rank % len(pieces)]
+        saved = [own] if len(pieces) == world else [pieces[r] for r in range(len(pieces))]
+        for piece in saved:
+            if len(piece["replica"]) != len(self._params) or len(piece["buffers"]) != len(self._buffers):
+                raise ValueError(
+                    f"the checkpoint's LocalSGD piece holds {len(piece['replica'])} parameters and "
+                    f"{len(piece['buffers'])} buffers, this model has {len(self._params)} trainable "
+                    f"parameters and {len(self._buffers)} floating-point buffers: restore into "
+                    "the same model"
+                )
+        # One replica: this rank's own. Another world: the mean of the saved replicas.
+        replica = [torch.stack([p["replica"][i] for p in saved]).mean(0) if len(saved) > 1
+                   else own["replica"][i] for i in range(len(self._params))]
+        buffers = [torch.stack([p["buffers"][i] for p in saved]).mean(0) if len(saved) > 1
+                   else own["buffers"][i] for i in range(len(self._buffers))]
+        self.load_state_dict(own)
+        for tensor, value in zip(self._params + self._buffers, list(replica) + list(buffers)):
+            tensor.copy_(value)
+
+    def _check_outer(self, state: dict[str, Any]) -> None:
+        if (state["outer"] is None) != (self.outer is None):
+            raise ValueError(
+                "checkpoint and LocalSGD disagree on outer_optimizer: build LocalSGD with the "
+                "same outer_optimizer setting the checkpoint was saved with"
+            )
