@@ -175,21 +175,51 @@ def init_distributed(
         )
         _LEFT.before_join(info.master_port, timeout.total_seconds())
         prefix = _LEFT.prefix()
-        if prefix is None:
-            dist.init_process_group(
-                backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
-                timeout=timeout,
-            )
-        else:  # a group after one this process left: keys of its own (lockstep.rejoin)
-            store, _, _ = next(dist.rendezvous(init_method, info.rank, info.world_size, timeout=timeout))
-            store.set_timeout(timeout)
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(prefix, store), rank=info.rank,
-                world_size=info.world_size, timeout=timeout,
-            )
+        try:
+            _join(backend, init_method, info, timeout, prefix)
+        except RuntimeError as exc:  # torch's DistStoreError, DistNetworkError... among them
+            if info.source != "slurm":
+                raise
+            message = f"{exc}\n{_slurm_join_hint(info, timeout)}"
+            try:
+                explained = type(exc)(message)
+            except TypeError:  # an error type built otherwise: keep the message
+                explained = RuntimeError(message)
+            raise explained from exc
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
     progress.tracker()  # publish this rank's progress from now on (see lockstep.diagnose.hang)
     return replace(info, device=dev, backend=backend)
+
+
+def _slurm_join_hint(info: ProcessInfo, timeout: timedelta) -> str:
+    """What to check when SLURM's tasks did not all meet (appended to torch's error)."""
+    return (
+        f"lockstep: SLURM says this job step has {info.world_size} tasks (SLURM_NTASKS) and "
+        f"this process is task {info.rank} (SLURM_PROCID), meeting at "
+        f"{info.master_addr}:{info.master_port}; not all of them joined within "
+        f"{timeout.total_seconds():g}s. Every task must run this script: start it with `srun "
+        "python train.py` (a script run directly in an sbatch script or an salloc shell is one "
+        "process, while SLURM_NTASKS counts the allocation's tasks), or one `lockstep run "
+        "--nproc-per-node N` per node (examples/slurm/). To run it as a single process there, "
+        "unset SLURM_NTASKS and SLURM_PROCID."
+    )
+
+
+def _join(backend: str, init_method: str, info: ProcessInfo, timeout: timedelta,
+          prefix: str | None) -> None:
+    """Create the default group of a launched world (``prefix``: keys of its own)."""
+    if prefix is None:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
+            timeout=timeout,
+        )
+    else:  # a group after one this process left: keys of its own (lockstep.rejoin)
+        store, _, _ = next(dist.rendezvous(init_method, info.rank, info.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(prefix, store), rank=info.rank,
+            world_size=info.world_size, timeout=timeout,
+        )
 
 
 @contextlib.contextmanager

@@ -49,3 +49,26 @@ def test_srun_two_nodes_of_two_without_ntasks_per_node():
     assert [o["local_world"] for o in outputs] == [2, 2, 2, 2]
     assert {o["source"] for o in outputs} == {"slurm"} and {o["world"] for o in outputs} == {4}
     assert {o["sum"] for o in outputs} == {6.0}
+
+
+_ALONE = """
+import datetime, lockstep
+lockstep.init_distributed(timeout=datetime.timedelta(seconds=3))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_one_process_where_slurm_counts_several_tasks_is_told_to_use_srun():
+    """`python train.py` run directly in an sbatch script with --ntasks=4: SLURM_PROCID=0 and
+    SLURM_NTASKS=4, one process. It cannot meet the others; the error says why, after torch's."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "LOCAL_", "WORLD_", "MASTER_"))}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_NODEID="0",
+               SLURM_TASKS_PER_NODE="4", SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="77",
+               MASTER_PORT=str(find_free_port()), LOCKSTEP_DEVICE="cpu", GLOO_SOCKET_IFNAME="lo")
+    done = subprocess.run([sys.executable, "-c", _ALONE], check=False, env=env, capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode != 0
+    assert "clients joined" in done.stderr or "Timed out" in done.stderr  # torch's message stays
+    assert "SLURM says this job step has 4 tasks (SLURM_NTASKS) and this process is task 0" in done.stderr
+    assert "start it with `srun python train.py`" in done.stderr
