@@ -93,3 +93,49 @@ def test_torchs_sharded_state_dict_is_named_not_loaded():
                        ).load_state_dict(theirs.state_dict())
     finally:
         lockstep.shutdown_distributed()
+
+
+class _Owns(torch.nn.Linear):
+    def reshard(self) -> str:  # a method of the user's class keeps its meaning
+        return "mine"
+
+
+def _methods_worker(rank: int) -> tuple[float, str, str]:
+    """One script, written for torch's FSDPModule methods, run with both fully_shards."""
+    lockstep.init_distributed()
+    size = dist.get_world_size()
+
+    def run(shard) -> torch.nn.Module:
+        model = _model()
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        for x, y in _batches(2):
+            model.set_requires_gradient_sync(False)  # accumulate two micro-batches
+            for micro, (cx, cy) in enumerate(zip(x.chunk(2), y.chunk(2))):
+                if micro == 1:
+                    model.set_requires_gradient_sync(True)
+                _loss(model, _mine(cx, rank, size), _mine(cy, rank, size)).backward()
+            opt.step()
+            opt.zero_grad()
+        model.set_reshard_after_backward(True)
+        model.set_reshard_after_forward(True, recurse=False)
+        model.unshard(async_op=True).wait()
+        model.reshard()
+        return model
+
+    theirs, ours = run(torch_fsdp.fully_shard), run(lockstep.fully_shard)
+    reference = dcp_state.get_model_state_dict(theirs, options=dcp_state.StateDictOptions(full_state_dict=True))
+    mine = full_state_dict(ours)
+    own = lockstep.fully_shard(_Owns(4, 4))
+    return max((reference[k] - mine[k]).abs().max().item() for k in mine), own.reshard(), ours.unshard.__name__
+
+
+@pytest.mark.multirank
+def test_torchs_method_names_run_on_a_sharded_module():
+    """model.set_requires_gradient_sync(False), model.unshard()...: torch's FSDPModule methods,
+    bound to each module lockstep shards, give torch's results; the class is unchanged."""
+    for diff, own, name in lockstep.spawn(_methods_worker, 2, timeout=120):
+        assert diff < TOL
+        assert own == "mine" and name == "unshard"

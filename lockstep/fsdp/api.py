@@ -13,6 +13,7 @@ from torch import nn
 from lockstep.env import default_backend, detect_process_info
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
+from lockstep.fsdp.methods import attach_torch_methods
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
@@ -173,6 +174,11 @@ def fully_shard(
     own = params[0][1].dtype if params else torch.get_default_dtype()
     flat = FlatShard(params, rank, size, policy.compute_dtype(own))
     FSDPUnit(module, flat, shard_group, replicate_group, after_forward, policy)
+    attach_torch_methods(module, {  # torch's FSDPModule methods, for scripts written for it
+        "unshard": unshard, "reshard": reshard, "set_requires_gradient_sync": set_requires_gradient_sync,
+        "set_reshard_after_backward": set_reshard_after_backward,
+        "set_reshard_after_forward": set_reshard_after_forward,
+    })
     return module
 
 
