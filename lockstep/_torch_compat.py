@@ -32,6 +32,7 @@ __all__ = [
     "WorkersStoreOverride",
     "copy_tensors",
     "current_graph_task_id",
+    "ddp_ignored_names",
     "default_store",
     "flatten_dense_tensors",
     "forget_shared_store_server",
@@ -40,6 +41,7 @@ __all__ = [
     "queue_callback",
     "refresh_rnn_flat_weights",
     "rendezvous_internals",
+    "set_ddp_ignored_names",
     "tensor_version",
     "unflatten_dense_tensors",
 ]
@@ -287,3 +289,28 @@ class WorkersStoreOverride:
             return self.workers_store_server(info.master_addr, info.master_port)
         master_addr, master_port = args
         return self.workers_store_server(master_addr, master_port)
+
+
+# torch's DDP reads the names of the parameters and buffers it must leave alone from this
+# attribute of the module it wraps, set by DistributedDataParallel._set_params_and_buffers_to_ignore_for_model.
+_DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+def set_ddp_ignored_names(module: nn.Module, names: Sequence[str]) -> None:
+    """Record ``names`` (fully qualified, relative to ``module``) as torch's DDP does: on the
+    module, and as ``_ddp_ignored`` on each named parameter and buffer."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"params_and_buffers_to_ignore must be a list of names such as ['head.weight'], got {names!r}")
+    setattr(module, _DDP_IGNORE_ATTR, list(names))
+    wanted = set(names)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if name in wanted:
+            tensor._ddp_ignored = True  # type: ignore[attr-defined]  # torch's mark
+
+
+def ddp_ignored_names(module: nn.Module) -> frozenset[str]:
+    """The names torch's DDP would leave alone in ``module`` (none unless set as above, by
+    lockstep's or torch's class)."""
+    names = getattr(module, _DDP_IGNORE_ATTR, None) or ()
+    return frozenset(n for n in names if isinstance(n, str))

@@ -526,3 +526,51 @@ def test_model_split_over_devices_is_rejected(world1):
 def test_several_device_ids_are_rejected(world1):
     with pytest.raises(ValueError, match=r"device_ids=\['cpu', 'cpu'\]: lockstep's DDP drives one device"):
         lockstep.DistributedDataParallel(_mlp(), device_ids=["cpu", "cpu"])
+
+
+class _PerRankHead(torch.nn.Module):
+    """Initialised differently on each rank; a buffer counts forwards from the rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(dist.get_rank())
+        self.a, self.head, self.bn = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(4)
+        self.register_buffer("count", torch.full((1,), float(dist.get_rank())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.head(self.bn(self.a(x)))
+
+
+def _ignore_worker(rank: int) -> list[float]:
+    lockstep.init_distributed()
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    ignore = ["head.weight", "head.bias", "count", "bn.running_mean"]
+
+    def run(cls, setter) -> torch.Tensor:
+        model = _PerRankHead()
+        setter(model, ignore)
+        wrapped = cls(model)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(7 * step + rank))
+            wrapped(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([t.detach().flatten() for t in [*model.parameters(), *model.buffers()]
+                          if t.is_floating_point()])
+
+    theirs = run(TorchDDP, TorchDDP._set_params_and_buffers_to_ignore_for_model)
+    ours = run(lockstep.DistributedDataParallel,
+               lockstep.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
+    mixed = run(lockstep.DistributedDataParallel, TorchDDP._set_params_and_buffers_to_ignore_for_model)
+    return [(theirs - ours).abs().max().item(), (theirs - mixed).abs().max().item()]
+
+
+@pytest.mark.multirank
+def test_params_and_buffers_to_ignore_are_left_alone_like_torch():
+    """torch's _set_params_and_buffers_to_ignore_for_model: the named parameters keep their own
+    values and gradients on each rank, the named buffers are never broadcast; bitwise torch's,
+    whichever class set the names."""
+    assert lockstep.spawn(_ignore_worker, 2, timeout=120) == [[0.0, 0.0], [0.0, 0.0]]

@@ -7,7 +7,7 @@ list with rank 0's and fails on every rank with the same message, naming the fir
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -108,10 +108,13 @@ def verify_same_parameters(
                 )
 
 
-def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """(owning module, attribute name) of every buffer: looked up again at each broadcast."""
-    return [(owner, name) for _, owner in module.named_modules()
-            for name, _ in owner.named_buffers(recurse=False)]
+def buffer_slots(module: torch.nn.Module,
+                 ignore: Collection[str] = ()) -> list[tuple[torch.nn.Module, str]]:
+    """(owning module, attribute name) of every buffer whose name is not in ``ignore``: looked
+    up again at each broadcast."""
+    return [(owner, name) for prefix, owner in module.named_modules()
+            for name, _ in owner.named_buffers(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) not in ignore]
 
 
 def live_buffers(slots: Sequence[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:

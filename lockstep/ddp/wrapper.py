@@ -14,7 +14,7 @@ DistributedDataParallel", the attributes it reads, and only ``__init__`` here se
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from lockstep import profilers
-from lockstep._torch_compat import preserve_version_counter
+from lockstep._torch_compat import ddp_ignored_names, preserve_version_counter, set_ddp_ignored_names
 from lockstep.comm.compression import ReduceDtypeState, reduce_dtype_hook
 from lockstep.comm.fp32_accumulate import FP32AccumulateState, fp32_accumulate_hook
 from lockstep.comm.hooks import check_annotations, returns_future
@@ -170,8 +170,9 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         self._uneven: UnevenInputs | None = None  # lockstep's join()
         self._torch_join: UnevenInputs | None = None  # torch's Join([...]), through join_hook
         self._hook_registered = False
+        ignored = ddp_ignored_names(module)  # torch's _set_params_and_buffers_to_ignore_for_model
         trainable, delayed = split_delayed(
-            _unique_trainable(module), delay_all_reduce_named_params, param_to_hook_all_reduce)
+            _unique_trainable(module, ignored), delay_all_reduce_named_params, param_to_hook_all_reduce)
         if not trainable and not delayed:
             raise RuntimeError(
                 "DistributedDataParallel: the module has no parameter with requires_grad=True; "
@@ -184,15 +185,17 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         # As torch: a single-device CUDA model's outputs default to its device.
         self.output_device = (None if self.device_ids is None else
                               output_device if output_device is not None else self.device_ids[0])
-        self._buffer_slots = buffer_slots(module)
+        self._buffer_slots = buffer_slots(module, ignored)
         self._trainable_names = [n for n, _ in trainable]
         self._delayed_names = [n for n, _ in delay_all_reduce_named_params or []]
         self._hook_param_name = hook_param_name(module, param_to_hook_all_reduce)
         self._connect()
         if init_sync and self.world_size > 1:
-            buffers = list(module.named_buffers()) if sync_buffers_at_init else []
-            verify_same_parameters(list(module.named_parameters()), self.process_group, buffers)
-            state = [p.detach() for p in module.parameters()] + [b.detach() for _, b in buffers]
+            buffers = ([(n, b) for n, b in module.named_buffers() if n not in ignored]
+                       if sync_buffers_at_init else [])
+            params = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+            verify_same_parameters(params, self.process_group, buffers)
+            state = [p.detach() for _, p in params] + [b.detach() for _, b in buffers]
             broadcast_coalesced(state, self._src, self.process_group)
         # LOCKSTEP_PROFILE=dir, set by `lockstep doctor`: the doctor's answer (lockstep.profilers)
         settings = profilers.current().settings_from_env()
@@ -366,6 +369,17 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         """
         return [graph for splitter in self._twin.splitters() for graph in splitter.pieces]
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
+        """torch's way to leave parameters and buffers out of DDP, called before wrapping.
+
+        ``params_and_buffers_to_ignore`` are fully qualified names in ``module`` (``"head.weight"``):
+        those parameters are not broadcast at construction and their gradients are not
+        all-reduced (each rank keeps its own); those buffers are never broadcast. torch's
+        class reads and writes the same attribute, so either class may set it for the other.
+        """
+        set_ddp_ignored_names(module, params_and_buffers_to_ignore)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next synchronised backward averages the sum.
@@ -431,6 +445,6 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
 
-def _unique_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def _unique_trainable(module: nn.Module, ignored: Collection[str] = ()) -> list[tuple[str, nn.Parameter]]:
     # named_parameters() already yields a tied parameter once, under its first name.
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
