@@ -9,6 +9,7 @@ Scenarios are batched into one spawned world per world size to keep the suite fa
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -574,3 +575,51 @@ def test_params_and_buffers_to_ignore_are_left_alone_like_torch():
     values and gradients on each rank, the named buffers are never broadcast; bitwise torch's,
     whichever class set the names."""
     assert lockstep.spawn(_ignore_worker, 2, timeout=120) == [[0.0, 0.0], [0.0, 0.0]]
+
+
+class _Checkpointed(torch.nn.Module):
+    """Reentrant activation checkpointing: the classic reason for static_graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+
+def _static_graph_worker(rank: int) -> list[Any]:
+    lockstep.init_distributed()
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    def run(cls) -> torch.Tensor:
+        model = cls(_Checkpointed())
+        model._set_static_graph()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(7 * step + rank), requires_grad=True)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    out: list[Any] = [(run(TorchDDP) - run(lockstep.DistributedDataParallel)).abs().max().item()]
+    model = lockstep.DistributedDataParallel(_Checkpointed())
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    try:
+        model._set_static_graph()
+    except RuntimeError as exc:
+        out.append(str(exc))
+    return out
+
+
+@pytest.mark.multirank
+def test_set_static_graph_after_construction_like_torch():
+    """torch's _set_static_graph(), called after wrapping: trains reentrant activation
+    checkpointing as torch does; after the first forward it is refused."""
+    for diff, refused in lockstep.spawn(_static_graph_worker, 2, timeout=120):
+        assert diff == 0.0
+        assert "must be called before the first forward" in refused

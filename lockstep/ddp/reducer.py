@@ -107,6 +107,7 @@ class Reducer:
                                     group=group, progress=self.progress)
         self._usage = ParameterUsage(self.params, group, self.progress)
         self._active = False
+        self.started = False  # a forward has prepared a backward (static_graph is fixed from then)
         self._reset_iteration()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -165,6 +166,7 @@ class Reducer:
             self._round.abandon()
             self._reset_iteration()
         self._active = sync
+        self.started = True
         if not torch.compiler.is_compiling():  # bookkeeping stays out of a compiled graph
             self.progress.begin_step("after forward, before backward")
         # Under torch.compile the outputs are not hooked (the hook would be traced into the graph

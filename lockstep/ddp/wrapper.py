@@ -14,6 +14,7 @@ DistributedDataParallel", the attributes it reads, and only ``__init__`` here se
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -213,13 +214,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             return
         named = dict(self.module.named_parameters())
         if self._trainable_names:
-            self._reducer = Reducer(
-                [named[n] for n in self._trainable_names], self._trainable_names,
-                self.process_group, self._bucket_cap_bytes, self.find_unused_parameters,
-                self.gradient_as_bucket_view, static_graph=self.static_graph,
-                expect_sparse=expects_sparse_gradients(
-                    self.module, [named[n] for n in self._trainable_names]),
-            )
+            self._reducer = self._new_reducer()
         if self._delayed_names:
             self._delayed = DelayedAllReduce([named[n] for n in self._delayed_names],
                                              named[self._hook_param_name], self.process_group)
@@ -231,6 +226,40 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             wire = FP32AccumulateState(self.process_group, wire_dtype=self.reduce_dtype)
             self._reducer.comm_hook, self._reducer.comm_state = fp32_accumulate_hook, wire
             self._hook_registered = True
+
+    def _new_reducer(self) -> Reducer:
+        named = dict(self.module.named_parameters())
+        params = [named[n] for n in self._trainable_names]
+        return Reducer(
+            params, self._trainable_names, self.process_group, self._bucket_cap_bytes,
+            self.find_unused_parameters, self.gradient_as_bucket_view, static_graph=self.static_graph,
+            expect_sparse=expects_sparse_gradients(self.module, params),
+        )
+
+    def _set_static_graph(self) -> None:
+        """torch's older way to ask for ``static_graph=True``, after construction and before the
+        first forward (gradient-checkpointing recipes call it); the constructor argument is
+        the better way, as torch's docs say.
+
+        Raises:
+            RuntimeError: a forward has already run.
+        """
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        old = self._reducer
+        if old is not None and old.started:
+            raise RuntimeError(
+                "DistributedDataParallel._set_static_graph() must be called before the first "
+                "forward; pass static_graph=True to the constructor instead"
+            )
+        self.static_graph = True
+        self.find_unused_parameters = True  # as the constructor sets it for static_graph
+        if old is None:
+            return
+        old.remove_hooks()
+        self._reducer = new = self._new_reducer()
+        new.comm_hook, new.comm_state, new.clock = old.comm_hook, old.comm_state, old.clock
 
     _unpicklable = ("process_group", "device_mesh", "_reducer", "_delayed", "_uneven",
                     "_torch_join", "_clock", "_profile_hooks", "_arrivals", "_twin")
