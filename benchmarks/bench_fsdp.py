@@ -113,7 +113,7 @@ def _build(variant: str, args: argparse.Namespace) -> tuple[nn.Module, torch.opt
         return model, opt, [psi, 0]
     units: list[nn.Module] = [*model.blocks.layers, model]  # type: ignore[union-attr, misc]
     for unit in units:
-        lockstep.fully_shard(unit)
+        lockstep.fully_shard(unit, reshard_after_forward=True)  # ZeRO-3 traffic (the figures in docs/fsdp.md)
     set_prefetch(model, variant == "fsdp")
 
     def sample(*_: Any) -> None:  # after a unit gathered: what is gathered now, all units

@@ -159,13 +159,19 @@ def test_shards_are_the_parameters_and_world_one_trains_like_plain():
 
 
 def test_parameters_are_freed_after_forward_and_backward():
-    model = _shard(_model())
+    model = _shard(_model())  # reshard_after_forward=None: torch's default
     x, y = _batches(1)[0]
     loss = _loss(model, x, y)
-    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
+    # The blocks reshard after forward; the root keeps its own parameters for backward, which
+    # needs them first (torch's default, reshard_after_forward=None).
+    assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) > 0
     loss.backward()
     assert _full_bytes(model.blocks[0]) == 0 and _full_bytes(model) == 0
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    model = _shard(_model(), reshard_after_forward=True)
+    loss = _loss(model, x, y)
+    assert _full_bytes(model) == 0  # True: the root's are freed after forward too
+    loss.backward()
     kept = _shard(_model(), reshard_after_forward=False)
     loss = _loss(kept, x, y)
     assert _full_bytes(kept.blocks[0]) > 0  # kept for backward
@@ -590,3 +596,22 @@ def test_hybrid_two_by_two_equals_one_process():
         assert out["hybrid_clip_norm"] < TOL
         assert "does not cover the world of 4" in out["mismatch"]
         assert out["mesh_groups"] == out["pair_groups"]  # a 2-D mesh means the same layout
+
+
+def test_torchs_arguments_are_taken_at_their_defaults_and_refused_otherwise():
+    """A script written for torch's fully_shard passes mesh=, torch's MixedPrecisionPolicy and
+    OffloadPolicy(); what lockstep cannot do is refused, naming it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    model = lockstep.fully_shard(_model(), mp_policy=TorchPolicy(reduce_dtype=torch.float64),
+                                 offload_policy=OffloadPolicy(), ignored_params=set())
+    assert _unit(model).mp_policy == lockstep.MixedPrecisionPolicy(reduce_dtype=torch.float64)
+    with pytest.raises(ValueError, match="give group= or torch's mesh=, not both"):
+        lockstep.fully_shard(_model(), group=object(), mesh=object())
+    with pytest.raises(NotImplementedError, match="offload_policy=CPUOffloadPolicy"):
+        lockstep.fully_shard(_model(), offload_policy=CPUOffloadPolicy())
+    with pytest.raises(NotImplementedError, match="ignored_params"):
+        lockstep.fully_shard(_model(), ignored_params={_model().head.weight})
+    with pytest.raises(NotImplementedError, match="output_dtype"):
+        lockstep.fully_shard(_model(), mp_policy=TorchPolicy(output_dtype=torch.float32))

@@ -105,11 +105,16 @@ def _methods_worker(rank: int) -> tuple[float, str, str]:
     lockstep.init_distributed()
     size = dist.get_world_size()
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (size,))
+    policy, offload = torch_fsdp.MixedPrecisionPolicy(), torch_fsdp.OffloadPolicy()
+
     def run(shard) -> torch.nn.Module:
         model = _model()
-        for block in model.blocks:
-            shard(block)
-        shard(model)
+        for block in model.blocks:  # torch's keywords, the same call for both
+            shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
         for x, y in _batches(2):
             model.set_requires_gradient_sync(False)  # accumulate two micro-batches

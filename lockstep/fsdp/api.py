@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from lockstep.env import default_backend, detect_process_info
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.methods import attach_torch_methods
-from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
+from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy, as_policy
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 __all__ = [
@@ -126,8 +126,12 @@ def fully_shard(
     module: nn.Module,
     *,
     group: Group = None,
-    reshard_after_forward: bool | int = True,
+    mesh: Group = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: Any = None,
+    ignored_params: Any = None,
+    shard_placement_fn: Any = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across ``group``: each rank keeps 1/N of each, flat and padded.
 
@@ -139,11 +143,18 @@ def fully_shard(
         module: the block or the root model; call it on every rank with identical parameters.
         group: where to shard: ``None`` (every rank), a ProcessGroup, a 2-D DeviceMesh
             (replicate, shard) or a pair ``(replicate_group, shard_group)`` for hybrid sharding.
+        mesh: torch's name for it (a DeviceMesh), for scripts written for torch's fully_shard;
+            give one of ``group`` and ``mesh``.
         reshard_after_forward: free the gathered parameters after forward (gather again for
             backward); ``False`` keeps them until the end of backward (less traffic, more memory).
-            An int as torch's: ``1`` is ``False``; a factor of the group's size is ``True``
-            (torch reshards to groups of that many ranks; here to the whole group).
-        mp_policy: the :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
+            ``None`` (the default, as torch's): ``False`` for the root (whose parameters
+            backward needs first), ``True`` for the others. An int as torch's: ``1`` is
+            ``False``; a factor of the group's size is ``True`` (torch reshards to groups of
+            that many ranks; here to the whole group).
+        mp_policy: the :class:`MixedPrecisionPolicy` (default: compute in the parameters'
+            dtype); torch's own ``MixedPrecisionPolicy`` is taken too.
+        offload_policy, ignored_params, shard_placement_fn: torch's; only their defaults (no
+            offloading, no ignored parameter, dim-0 shards) are supported.
 
     Returns:
         ``module`` itself.
@@ -161,7 +172,12 @@ def fully_shard(
             f"fully_shard does not support containers that do not implement forward: "
             f"{type(module).__name__}; shard each block inside it, then the model that calls them"
         )
-    policy = mp_policy or MixedPrecisionPolicy()
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("fully_shard: give group= or torch's mesh=, not both")
+        group = mesh
+    _refuse_unsupported(offload_policy, ignored_params, shard_placement_fn)
+    policy = as_policy(mp_policy)
     params = _collect(module)
     _check(module, params)
     if not dist.is_initialized():
@@ -201,10 +217,31 @@ def _init_from_launch(device: torch.device) -> None:
     dist.init_process_group(backend=default_backend(device))
 
 
-def _reshard_flag(value: bool | int, size: int) -> bool:
+def _refuse_unsupported(offload_policy: Any, ignored_params: Any, shard_placement_fn: Any) -> None:
+    """torch's arguments that lockstep takes at their defaults only."""
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(
+            f"fully_shard: offload_policy={type(offload_policy).__name__}(...) is not supported: "
+            "lockstep keeps shards, gradients and optimizer state on the parameters' device. "
+            "Leave offload_policy out (torch's default OffloadPolicy() is accepted)"
+        )
+    if ignored_params:
+        raise NotImplementedError(
+            f"fully_shard: ignored_params ({len(ignored_params)} parameters) is not supported; move "
+            "those parameters into a module that is not sharded, or leave them in the unit"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard: shard_placement_fn is not supported: lockstep shards each parameter "
+            "flat, in 1/N pieces (torch's default, dim 0, gives the same state dicts)"
+        )
+
+
+def _reshard_flag(value: bool | int | None, size: int) -> bool | None:
     """``reshard_after_forward`` as a flag; an int as torch reads it (1: keep the gathered
-    parameters; a factor of the shard group's size: reshard, here to the whole group)."""
-    if isinstance(value, bool):
+    parameters; a factor of the shard group's size: reshard, here to the whole group); ``None``
+    stays ``None``: decided at the first forward (``False`` for the root, ``True`` below it)."""
+    if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         raise ValueError(f"fully_shard: reshard_after_forward must be a bool or an int, got {value!r}")  # noqa: TRY004 (as torch)

@@ -9,7 +9,7 @@ import torch
 
 from lockstep.tensors import map_tensors
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["MixedPrecisionPolicy", "as_policy"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,26 @@ class MixedPrecisionPolicy:
             return t.to(dtype) if t.is_floating_point() else t
 
         return map_tensors(obj, cast)
+
+
+def as_policy(policy: Any) -> MixedPrecisionPolicy:
+    """``policy`` as lockstep's: ``None`` is the default; torch's ``MixedPrecisionPolicy``
+    (same field names) is converted.
+
+    Raises:
+        NotImplementedError: torch's ``output_dtype`` was set (outputs keep the compute dtype).
+        TypeError: something else than a policy.
+    """
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "cast_forward_inputs")
+    if not all(hasattr(policy, name) for name in fields):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    if getattr(policy, "output_dtype", None) is not None:
+        raise NotImplementedError(
+            f"fully_shard: MixedPrecisionPolicy(output_dtype={policy.output_dtype}) is not supported: "
+            "the root's outputs keep the compute dtype; cast them after the forward"
+        )
+    return MixedPrecisionPolicy(**{name: getattr(policy, name) for name in fields})

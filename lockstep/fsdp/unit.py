@@ -96,7 +96,7 @@ class FSDPUnit:
         flat: FlatShard,
         shard_group: dist.ProcessGroup | None,
         replicate_group: dist.ProcessGroup | None,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module, self.flat = module, flat
@@ -153,6 +153,8 @@ class FSDPUnit:
         state = RootState([u for _, u in named])
         for name, unit in named:
             unit.root, unit.name = state, name
+            if unit.reshard_after_forward is None:  # torch's default: the root keeps its own
+                unit.reshard_after_forward = unit is not self
         self.is_root = True
 
     def emit(self, event: str) -> None:
