@@ -130,6 +130,34 @@ def test_no_fork_is_parsed_and_the_start_method_follows_the_plan(tmp_path):
     assert config.to_launch_config(fresh, str(tmp_path)).start_method == "spawn"  # torch's default
 
 
+def test_torchruns_agent_flags_reach_the_agent(tmp_path):
+    """torchrun 2.13's agent flags run unchanged and reach LaunchConfig; defaults add nothing."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    assert config.plan_from_args(_args(str(JOB)), environ={}).agent_options == {}
+    wanted = {"shutdown_timeout": 7, "signals_to_handle": "SIGTERM,SIGUSR1", "virtual_local_rank": True,
+              "duplicate_stdout_filters": ["loss", "step"], "event_log_handler": "console"}
+    flags = ("--shutdown-timeout", "7", "--signals_to_handle", "SIGTERM,SIGUSR1", "--virtual-local-rank",
+             "--duplicate-stdout-filters", "loss,step", "--event-log-handler", "console")
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if not set(wanted) <= known:  # an older torch: the flags are refused, naming torch
+        with pytest.raises(ValueError, match="elastic agent has no such setting"):
+            config.plan_from_args(_args(*flags, str(JOB)), environ={})
+        return
+    plan = config.plan_from_args(_args(*flags, str(JOB)), environ={})
+    launch = config.to_launch_config(plan, str(tmp_path))
+    assert {name: getattr(launch, name) for name in wanted} == wanted
+    with pytest.raises(ValueError, match="--logs-specs is not supported"):
+        config.plan_from_args(_args("--logs-specs", "x", str(JOB)), environ={})
+    with pytest.raises(ValueError, match="--shutdown-timeout -1"):
+        config.plan_from_args(_args("--shutdown-timeout", "-1", str(JOB)), environ={})
+    with pytest.raises(ValueError, match="which --survivors does not use"):
+        config.plan_from_args(_args("--survivors", "--max-restarts", "1", "--virtual-local-rank", str(JOB)),
+                              environ={})
+
+
 def test_single_machine_plan_stays_on_loopback(tmp_path):
     plan = config.plan_from_args(_args("--nproc-per-node", "2", str(JOB), "ok", "x"), environ={})
     assert plan.rdzv_backend == rendezvous.LOOPBACK_BACKEND

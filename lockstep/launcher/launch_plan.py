@@ -12,7 +12,8 @@ import os
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -67,6 +68,8 @@ class LaunchPlan:
     node_timeout: float = 10.0  # with survivors on several machines: silence that counts lost
     fork_workers: bool = True  # with restarts: workers forked from a server that has torch
     role: str = "default"  # torchrun's --role: the workers' ROLE_NAME
+    # torchrun's settings of the elastic agent given on the command line, as LaunchConfig fields
+    agent_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Refuse a plan that cannot work, however it was built (flags or by hand)."""
@@ -300,7 +303,62 @@ def plan_from_args(
         node_timeout=node_timeout,
         fork_workers=not getattr(args, "no_fork", False),
         role=getattr(args, "role", "default"),
+        agent_options=_agent_options(args, survivors),
     )
+
+
+# torchrun's flags for its elastic agent: (LaunchConfig field, default).
+_AGENT_FLAGS = {
+    "signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    "shutdown_timeout": None,
+    "virtual_local_rank": False,
+    "numa_binding": None,
+    "duplicate_stdout_filters": "",
+    "duplicate_stderr_filters": "",
+    "event_log_handler": "null",
+}
+
+
+def _agent_options(args: argparse.Namespace, survivors: bool) -> dict[str, Any]:
+    """The agent settings given on the command line, as ``LaunchConfig`` takes them.
+
+    Raises:
+        ValueError: ``--logs-specs`` (lockstep writes the logs), a setting this torch's agent
+            does not have (it came with a later torch), or any of them with ``--survivors``.
+    """
+    if getattr(args, "logs_specs", None):
+        raise ValueError("--logs-specs is not supported: lockstep run writes every worker's output "
+                         "itself (to the console, and with --log-dir to files); leave it out")
+    given = {name: getattr(args, name) for name, default in _AGENT_FLAGS.items()
+             if getattr(args, name, default) != default}
+    if given and survivors:
+        raise ValueError(f"--{next(iter(given)).replace('_', '-')} is a setting of torch's elastic agent, "
+                         "which --survivors does not use; leave it out")
+    options: dict[str, Any] = {}
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "shutdown_timeout" and value < 0:
+            raise ValueError(f"{flag} {value}: give the seconds to wait, 0 or more")
+        if name == "numa_binding":
+            try:
+                from torch.numa.binding import AffinityMode, NumaOptions
+            except ImportError:
+                raise ValueError(f"{flag} needs a torch with torch.numa.binding (this is torch "
+                                 f"{torch.__version__})") from None
+            modes = [mode.value for mode in AffinityMode]
+            if value not in modes:
+                raise ValueError(f"{flag} {value!r}: use one of {', '.join(modes)}")
+            name, value = "numa_options", NumaOptions(affinity_mode=AffinityMode(value))
+        elif name.startswith("duplicate_"):
+            value = [part for part in value.split(",") if part]
+        options[name] = value
+    known = {f.name for f in fields(LaunchConfig)}
+    for name in options:
+        if name not in known:
+            flag = "--numa-binding" if name == "numa_options" else "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: torch {torch.__version__}'s elastic agent has no such "
+                             "setting (torchrun added it later); upgrade torch or leave it out")
+    return options
 
 
 def _survivor_flags(args: argparse.Namespace) -> tuple[bool, int, float]:
@@ -366,6 +424,8 @@ def to_launch_config(plan: LaunchPlan, log_dir: str,
         monitor_interval=plan.monitor_interval,
         local_addr=plan.local_addr,
     )
+    for name, value in plan.agent_options.items():  # torchrun's agent flags, as given
+        setattr(config, name, value)
     if start_method:  # a function entry point's (lockstep.launcher.run): torch's default is spawn
         config.start_method = start_method
     return config
