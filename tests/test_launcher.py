@@ -158,6 +158,23 @@ def test_torchruns_agent_flags_reach_the_agent(tmp_path):
                               environ={})
 
 
+def test_torchruns_pet_variables_are_defaults_and_flags_win(monkeypatch):
+    """Kubeflow's PyTorchJob (and torchrun) give flags as PET_<FLAG> variables."""
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_VIRTUAL_LOCAL_RANK", "1")
+    monkeypatch.setenv("PET_SPARES", "5")  # lockstep's own flag: torchrun has no such variable
+    args = _args(str(JOB))
+    assert (args.nproc_per_node, args.max_restarts, args.virtual_local_rank, args.spares) == ("3", 2, True, None)
+    assert _args("--nproc-per-node", "1", str(JOB)).nproc_per_node == "1"
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    with pytest.raises(ValueError, match="--rdzv-backend 'etcd' \\(or PET_RDZV_BACKEND\\) is not supported"):
+        config.plan_from_args(_args(str(JOB)), environ={})
+    monkeypatch.setenv("PET_STANDALONE", "yes")
+    with pytest.raises(SystemExit, match="PET_STANDALONE='yes'"):
+        _args(str(JOB))
+
+
 def test_single_machine_plan_stays_on_loopback(tmp_path):
     plan = config.plan_from_args(_args("--nproc-per-node", "2", str(JOB), "ok", "x"), environ={})
     assert plan.rdzv_backend == rendezvous.LOOPBACK_BACKEND

@@ -7,6 +7,8 @@ Only the parser lives here; what the values mean and whether they can work is
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 
 from lockstep.launcher.rendezvous import LOOPBACK_HOST
 
@@ -75,35 +77,47 @@ _FLAGS: tuple[tuple[str, dict], ...] = (
 _OUTPUT_FLAGS = (("-t", "--tee"), ("-r", "--redirects"))
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add torchrun's flags (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings)."""
+# lockstep's own flags: torchrun has no PET_ variable for them.
+_OWN = frozenset({"virtual-shards", "survivors", "node-timeout", "spares", "no-fork"})
+
+
+def _from_pet(name: str, options: dict, environ: Mapping[str, str]) -> dict:
+    """``options`` with the default torchrun would take from ``PET_<FLAG>`` (``PET_NNODES``,
+    ``PET_NODE_RANK``...), which Kubeflow's PyTorchJob and other operators set instead of
+    flags. A flag on the command line still wins, as with torchrun."""
+    value = environ.get("PET_" + name.replace("-", "_").upper())
+    if value is None or name in _OWN:
+        return options
+    if options.get("action") == "store_true":  # torchrun's check_env: "1" on, "0" off
+        try:
+            return {**options, "default": bool(int(value))}
+        except ValueError:
+            raise SystemExit(f"lockstep: PET_{name.replace('-', '_').upper()}={value!r} (torchrun's "
+                             f"variable for --{name}) must be 1 or 0") from None
+    return {**options, "default": value}  # argparse converts a string default with `type`
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Add torchrun's flags (both ``--nproc-per-node`` and ``--nproc_per_node`` spellings),
+    their defaults from torchrun's ``PET_`` variables where set (``environ``: ``os.environ``)."""
+    env = os.environ if environ is None else environ
     for name, options in _FLAGS:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('-', '_')}"])
-        parser.add_argument(*spellings, **options)
+        parser.add_argument(*spellings, **_from_pet(name, options, env))
     for short, long in _OUTPUT_FLAGS:
-        parser.add_argument(short, long, default=None, metavar="0-3|RANK:N,...",
+        parser.add_argument(short, long, **_from_pet(long[2:], {"default": None}, env),
+                            metavar="0-3|RANK:N,...",
                             help=f"accepted as torchrun's {long}: output always reaches the "
                                  "console (prefixed) and, with --log-dir, the log files")
-    parser.add_argument(
-        "--run-path", "--run_path", action="store_true",
-        help="accepted as torchrun's: a script is run as `python script.py` runs it")
-    parser.add_argument(
-        "--standalone",
-        action="store_true",
-        help="a single-machine job on loopback (what one machine gets anyway)",
+    switches = (
+        (("--run-path", "--run_path"), "accepted as torchrun's: a script is run as `python script.py` runs it"),
+        (("--standalone",), "a single-machine job on loopback (what one machine gets anyway)"),
+        (("-m", "--module"), "run TRAINING_SCRIPT as a module, like python -m"),
+        (("--no-python", "--no_python"), "run TRAINING_SCRIPT as an executable, not with Python"),
     )
-    parser.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="run TRAINING_SCRIPT as a module, like python -m",
-    )
-    parser.add_argument(
-        "--no-python",
-        "--no_python",
-        action="store_true",
-        help="run TRAINING_SCRIPT as an executable, not with Python",
-    )
+    for spellings_, text in switches:
+        flag = next(s for s in spellings_ if s.startswith("--"))[2:].replace("_", "-")
+        parser.add_argument(*spellings_, **_from_pet(flag, {"action": "store_true"}, env), help=text)
     parser.add_argument("training_script", help="the script every worker runs")
     parser.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script"

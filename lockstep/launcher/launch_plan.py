@@ -214,6 +214,9 @@ def _check_script(args: argparse.Namespace) -> None:
 def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, dict]:
     """(backend, endpoint, run id, configs) for the launch."""
     configs = _rdzv_configs(args.rdzv_conf)
+    if args.rdzv_backend not in ("c10d", "static"):  # (a PET_RDZV_BACKEND default is not checked)
+        raise ValueError(f"--rdzv-backend {args.rdzv_backend!r} (or PET_RDZV_BACKEND) is not supported: "
+                         "use c10d (the default) or static")
     if args.rdzv_backend == "static":
         port = args.master_port if args.master_port is not None else 29500
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{port}"
