@@ -43,7 +43,7 @@ def _args(*argv: str):
     "argv, message",
     [
         (["--nproc-per-node", "0", "JOB"], "--nproc-per-node 0: a machine needs at least 1 worker"),
-        (["--nproc-per-node", "many", "JOB"], "--nproc-per-node 'many' is not a number or 'auto'"),
+        (["--nproc-per-node", "many", "JOB"], "--nproc-per-node 'many' is not a number, 'auto', 'cpu' or 'gpu'"),
         (["--nnodes", "0", "JOB"], "--nnodes '0': need 1 <= MIN <= MAX"),
         (["--nnodes", "3:2", "JOB"], "--nnodes '3:2': need 1 <= MIN <= MAX"),
         (["--nnodes", "two", "JOB"], "--nnodes 'two' is not N or MIN:MAX"),
@@ -173,6 +173,14 @@ def test_torchruns_pet_variables_are_defaults_and_flags_win(monkeypatch):
     monkeypatch.setenv("PET_STANDALONE", "yes")
     with pytest.raises(SystemExit, match="PET_STANDALONE='yes'"):
         _args(str(JOB))
+
+
+def test_nproc_per_node_cpu_and_gpu_as_torchrun(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    assert config.plan_from_args(_args("--nproc-per-node", "cpu", str(JOB)), environ={}).nproc_per_node == cores
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--nproc-per-node gpu: CUDA is not available"):
+        config.plan_from_args(_args("--nproc-per-node", "gpu", str(JOB)), environ={})
 
 
 def test_single_machine_plan_stays_on_loopback(tmp_path):

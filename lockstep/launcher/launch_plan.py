@@ -172,12 +172,21 @@ def auto_nproc() -> int:
 
 
 def _parse_nproc(value: str) -> int:
-    if value in ("auto", "gpu", "cpu"):
-        return auto_nproc() if value != "cpu" else _CPU_WORKERS_AUTO
+    """torchrun's values: a number; ``auto`` (one per GPU, here 2 without GPUs); ``cpu`` (one per
+    usable core, as torchrun); ``gpu`` (one per GPU; an error without one, as torchrun)."""
+    if value == "auto":
+        return auto_nproc()
+    if value == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if value == "gpu":
+        if not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+            raise ValueError("--nproc-per-node gpu: CUDA is not available here; give a number of "
+                             "workers, or 'auto' (2 CPU workers without GPUs)")
+        return torch.cuda.device_count()
     try:
         nproc = int(value)
     except ValueError:
-        raise ValueError(f"--nproc-per-node {value!r} is not a number or 'auto'") from None
+        raise ValueError(f"--nproc-per-node {value!r} is not a number, 'auto', 'cpu' or 'gpu'") from None
     if nproc < 1:
         raise ValueError(f"--nproc-per-node {nproc}: a machine needs at least 1 worker")
     return nproc
