@@ -240,6 +240,11 @@ def test_bad_profile_names_file_and_field(tmp_path, drop, field):
         load_profile(path)
 
 
+def test_a_directory_given_as_the_profile_is_named(tmp_path):
+    with pytest.raises(ProfileError, match="is a directory, not a profile file"):
+        load_profile(tmp_path)
+
+
 def test_profile_without_buckets_gets_synthetic_ones(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_doc(buckets=[])))
@@ -318,6 +323,17 @@ def test_cli_refuses_values_it_cannot_price_naming_the_flag(argv, text, capsys):
     (lambda d: d["model"].update(trainable_parameters="1M"), "model.trainable_parameters must be a whole"),
     (lambda d: d.update(batch_size_per_rank=0), "batch_size_per_rank must be a positive integer"),
     (lambda d: d.update(buckets=[{"bytes": None, "ready": 0.1}]), "buckets[0].bytes must be"),
+    # found by an outside audit (2026-11-28): each was read as something else, silently
+    (lambda d: d["model"].update(dtype="float8_e4m3fn"), "field model.dtype is 'float8_e4m3fn'"),
+    (lambda d: d["model"].update(dtype=5), "field model.dtype is 5"),
+    (lambda d: d["model"].update(buffer_broadcasts="12"), "model.buffer_broadcasts must be a list"),
+    (lambda d: d.update(version=True), "profile version True"),
+    (lambda d: d.update(world_size=0), "field world_size must be a whole number >= 1"),
+    (lambda d: d.update(world_size="two"), "field world_size must be a whole number >= 1"),
+    (lambda d: d["model"].update(trainable_parameters=0), "field model.trainable_parameters must be between 1"),
+    (lambda d: d["model"].update(trainable_parameters=1e15), "field model.trainable_parameters must be between 1"),
+    (lambda d: d.update(link={"alpha": 1e-5, "beta": 0}), "field link.beta must be > 0"),
+    (lambda d: d.update(device=["cuda"]), "field device must be a string"),
 ])
 def test_profile_fields_of_the_wrong_kind_name_the_file_and_field(tmp_path, change, text):
     doc = profile_doc()

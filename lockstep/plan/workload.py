@@ -227,13 +227,21 @@ def load_profile(path: str | Path) -> Workload:
             doc = json.load(f)
     except FileNotFoundError:
         raise ProfileError(f"{path}: no such profile file") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{path}: is a directory, not a profile file (the doctor writes "
+                           "DIR/profile.json)") from None
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read the profile ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProfileError(f"{path}: not JSON ({err})") from None
     if _need(doc, "format", "", path) != "lockstep-profile":
         raise ProfileError(f"{path}: format is {doc['format']!r}, expected 'lockstep-profile'")
-    if _need(doc, "version", "", path) != 1:
-        raise ProfileError(f"{path}: profile version {doc['version']!r}; this planner reads version 1")
-    _need(doc, "world_size", "", path)
+    version = _need(doc, "version", "", path)
+    if type(version) is not int or version != 1:
+        raise ProfileError(f"{path}: profile version {version!r}; this planner reads version 1")
+    world = _need(doc, "world_size", "", path)
+    if type(world) is not int or world < 1:
+        raise ProfileError(f"{path}: field world_size must be a whole number >= 1, got {world!r}")
     model, phases = _need(doc, "model", "", path), _need(doc, "phases", "", path)
     for name, part in (("model", model), ("phases", phases)):
         if not isinstance(part, dict):
@@ -242,10 +250,19 @@ def load_profile(path: str | Path) -> Workload:
                           else phases.get(key, 0.0), f"phases.{key}", path)
              for key in ("data", "forward", "backward", "optimizer", "exposed_comm")}
     if "trainable_parameters" in model:
-        trainable = _number(model["trainable_parameters"], "model.trainable_parameters", path, True)
+        count_field = "model.trainable_parameters"
+        trainable = _number(model["trainable_parameters"], count_field, path, True)
     else:
-        trainable = _number(_need(model, "parameters", "model.", path), "model.parameters", path, True)
-    dtype = str(model.get("dtype", "float32")).replace("torch.", "")
+        count_field = "model.parameters"
+        trainable = _number(_need(model, "parameters", "model.", path), count_field, path, True)
+    if not 0 < trainable <= MAX_PARAMETERS:
+        raise ProfileError(f"{path}: field {count_field} must be between 1 and {MAX_PARAMETERS:.0e} "
+                           f"(a model with nothing to train has nothing to synchronise), got {trainable:g}")
+    raw_dtype = model.get("dtype", "float32")
+    dtype = raw_dtype.replace("torch.", "") if isinstance(raw_dtype, str) else raw_dtype
+    if dtype not in DTYPE_BYTES:
+        raise ProfileError(f"{path}: field model.dtype is {raw_dtype!r}; the planner prices gradients "
+                           f"of {', '.join(DTYPE_BYTES)}")
     raw_buckets = doc.get("buckets") or []
     if not isinstance(raw_buckets, list):
         raise ProfileError(f"{path}: field buckets must be a list, got {raw_buckets!r}")
@@ -254,13 +271,18 @@ def load_profile(path: str | Path) -> Workload:
                     for i, b in enumerate(raw_buckets))
     link = None
     if isinstance(doc.get("link"), dict) and {"alpha", "beta"} <= set(doc["link"]):
-        link = Link("measured", _number(doc["link"]["alpha"], "link.alpha", path),
-                    _number(doc["link"]["beta"], "link.beta", path), f"measured ({path})")
+        beta = _number(doc["link"]["beta"], "link.beta", path)
+        if beta <= 0:
+            raise ProfileError(f"{path}: field link.beta must be > 0 bytes/s, got {beta:g}")
+        link = Link("measured", _number(doc["link"]["alpha"], "link.alpha", path), beta,
+                    f"measured ({path})")
     batch = doc.get("batch_size_per_rank")
     if batch is not None and (type(batch) is not int or batch < 1):
         raise ProfileError(f"{path}: field batch_size_per_rank must be a positive integer or "
                            f"null, got {batch!r}")
-    device = str(doc.get("device") or "cpu")
+    device = doc.get("device") or "cpu"
+    if not isinstance(device, str):
+        raise ProfileError(f"{path}: field device must be a string such as 'cuda:0' or 'cpu', got {device!r}")
     known = sum(times.values())
     # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
     other = max(0.0, _number(phases.get("step", known), "phases.step", path) - known)
@@ -273,7 +295,7 @@ def load_profile(path: str | Path) -> Workload:
         notes += (("the profile records no buffers (written before the doctor did): DDP's "
                    "buffer broadcast before each forward is not priced"),)
     return Workload(
-        parameters=int(trainable), grad_dtype=dtype if dtype in DTYPE_BYTES else "float32",
+        parameters=int(trainable), grad_dtype=dtype,
         forward=times["forward"], backward=times["backward"],
         optimizer=times["optimizer"], data=times["data"],
         other=other, batch_size=batch, buckets=_checked(buckets, path),
@@ -319,6 +341,8 @@ def _buffer_broadcasts(model: dict, path: str) -> tuple[float, ...] | None:
     else:
         return None
     try:
+        if not isinstance(raw, list) or any(isinstance(x, (bool, str)) for x in raw):
+            raise TypeError(field_name)
         sizes = tuple(float(x) for x in raw)
     except (TypeError, ValueError):
         raise ProfileError(f"{path}: {field_name} must be a list of byte counts, got {raw!r}") from None
