@@ -139,23 +139,37 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
         The host names in order: ``["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]``.
     """
     hosts: list[str] = []
-    # Split on commas that are not inside brackets.
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
-        if not match:
-            hosts.append(item)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                width = len(lo)
-                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
-            else:
-                hosts.append(f"{prefix}{part}{suffix}")
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist + ","):  # split on the commas outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    for item in items:
+        if item:
+            hosts.extend(_expand_brackets(item))
     if not hosts:
         raise ValueError(f"SLURM_NODELIST={nodelist!r} names no host")
     return hosts
+
+
+def _expand_brackets(item: str) -> list[str]:
+    """One host expression, every bracket group expanded in order (``rack[1-2]-n[01-02]``:
+    ``rack1-n01, rack1-n02, rack2-n01, rack2-n02``, as ``scontrol show hostnames``)."""
+    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+    if not match:
+        return [item]
+    prefix, ranges, suffix = match.groups()
+    heads: list[str] = []
+    for part in ranges.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            width = len(lo)
+            heads.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+        else:
+            heads.append(f"{prefix}{part}")
+    tails = _expand_brackets(suffix)
+    return [head + tail for head in heads for tail in tails]
 
 
 def expand_slurm_tasks_per_node(value: str) -> list[int]:

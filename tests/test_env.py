@@ -41,6 +41,10 @@ def test_torchrun_wins_over_slurm():
 
 def test_expand_nodelist():
     assert expand_slurm_nodelist("a[1-3],b07,c[08-10]x") == ["a1", "a2", "a3", "b07", "c08x", "c09x", "c10x"]
+    # Several bracket groups in one name, as scontrol show hostnames expands them (the second
+    # group was copied as it was: MASTER_ADDR 'rack1-node[01,03]', found by an outside audit).
+    assert expand_slurm_nodelist("rack[1-2]-node[01,03],gpu-[7].dom") == [
+        "rack1-node01", "rack1-node03", "rack2-node01", "rack2-node03", "gpu-7.dom"]
 
 
 @pytest.mark.parametrize("env, culprit", [
