@@ -245,6 +245,17 @@ def test_a_directory_given_as_the_profile_is_named(tmp_path):
         load_profile(tmp_path)
 
 
+def test_what_if_settings_that_would_not_be_used_are_refused(tmp_path, capsys):
+    """With a profile the what-if settings are measured; with --step-time, --mfu is not used.
+    Both were ignored without a word."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_doc()))
+    assert main(["plan", str(path), "--dtype", "fp16", "--gpus", "8", "--strategies", "ddp"]) == 2
+    assert "--dtype: what-if settings, which a profile replaces" in capsys.readouterr().err
+    assert main(["plan", "--params", "125M", "--step-time", "0.1", "--mfu", "0.5", "--gpus", "8"]) == 2
+    assert "with a measured --step-time it would not be used" in capsys.readouterr().err
+
+
 def test_profile_without_buckets_gets_synthetic_ones(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_doc(buckets=[])))

@@ -91,13 +91,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_argument("--step-time", type=_POSITIVE, help="measured forward+backward seconds")
     what_if.add_argument("--flops-per-sample", type=_POSITIVE, help="training flops per sample")
     what_if.add_argument("--gpu-tflops", type=_POSITIVE, help="peak TFLOP/s of one GPU")
-    what_if.add_argument("--mfu", type=float, default=0.4, help="share of peak reached (0.4)")
-    what_if.add_argument("--dtype", default="bfloat16", help="gradient dtype (bfloat16)")
-    what_if.add_argument("--optimizer-time", type=_NON_NEGATIVE, default=0.0, help="seconds per step")
-    what_if.add_argument("--buffer-bytes", type=parse_count, default=0.0,
+    what_if.add_argument("--mfu", type=float, default=None, help="share of peak reached (0.4)")
+    what_if.add_argument("--dtype", default=None, help="gradient dtype (bfloat16)")
+    what_if.add_argument("--optimizer-time", type=_NON_NEGATIVE, default=None, help="seconds per step")
+    what_if.add_argument("--buffer-bytes", type=parse_count, default=None,
                          help="bytes of module buffers (BatchNorm statistics) DDP broadcasts "
                          "before every forward, e.g. 40k (default 0)")
-    what_if.add_argument("--input-params", type=parse_count, default=0.0,
+    what_if.add_argument("--input-params", type=parse_count, default=None,
                          help="parameters of the input layer (a transformer's embeddings, e.g. "
                          "23.8M for BERT-base): their gradient is ready only when backward "
                          "ends, so their all-reduce is priced as never hidden (default 0)")
@@ -108,18 +108,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace):  # -> Workload
     from lockstep.plan.workload import describe, load_profile
 
+    what_if = {"--params": args.params, "--step-time": args.step_time,
+               "--flops-per-sample": args.flops_per_sample, "--gpu-tflops": args.gpu_tflops,
+               "--mfu": args.mfu, "--dtype": args.dtype, "--optimizer-time": args.optimizer_time,
+               "--buffer-bytes": args.buffer_bytes, "--input-params": args.input_params}
+    given = [flag for flag, value in what_if.items() if value is not None]
     if args.profile:
-        if args.params is not None:
-            raise ValueError("give a profile or --params for a what-if, not both")
+        if given:
+            raise ValueError(f"{', '.join(given)}: what-if settings, which a profile replaces (its "
+                             "times, dtype and buffers are measured); give a profile or a what-if")
         return load_profile(args.profile)
     if args.params is None:
         raise ValueError("give a profile.json, or --params with --step-time or "
                          "--flops-per-sample and --gpu-tflops for a what-if")
+    if args.step_time is not None and args.mfu is not None:
+        raise ValueError("--mfu sets the time from --flops-per-sample and --gpu-tflops; with a "
+                         "measured --step-time it would not be used: give one or the other")
     gpu_flops = args.gpu_tflops * 1e12 if args.gpu_tflops else None
     return describe(args.params, step_time=args.step_time, flops_per_sample=args.flops_per_sample,
-                    gpu_flops=gpu_flops, utilization=args.mfu, batch_size=args.batch_size or 1,
-                    dtype=args.dtype, optimizer_time=args.optimizer_time,
-                    buffer_bytes=args.buffer_bytes, input_parameters=args.input_params)
+                    gpu_flops=gpu_flops, utilization=0.4 if args.mfu is None else args.mfu,
+                    batch_size=args.batch_size or 1, dtype=args.dtype or "bfloat16",
+                    optimizer_time=args.optimizer_time or 0.0, buffer_bytes=args.buffer_bytes or 0.0,
+                    input_parameters=args.input_params or 0.0)
 
 
 def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
