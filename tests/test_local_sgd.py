@@ -175,3 +175,39 @@ def test_checkpoint_resumes_every_replica_between_merges(tmp_path, outer):
     Checkpointer saves LocalSGD one piece per rank, so a resume is exact on every rank."""
     diffs = lockstep.spawn(_resume_worker, 2, args=(str(tmp_path / "ckpt"), outer), timeout=120)
     assert diffs == [0.0, 0.0]
+
+
+def _refusals_worker(rank: int) -> list[str]:
+    lockstep.init_distributed()
+    torch.manual_seed(rank)  # every rank builds a different model
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8))
+    model[0].bias.requires_grad_(False)
+    LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    state = torch.cat([t.detach().float().flatten() for t in [*model.parameters(), *model.buffers()]])
+    everyone = [torch.empty_like(state) for _ in range(2)]
+    dist.all_gather(everyone, state)
+    out = ["equal" if torch.equal(*everyone) else "differ"]
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    sharded = lockstep.fully_shard(_net())
+    zero = lockstep.ZeroRedundancyOptimizer(_net().parameters(), torch.optim.SGD, lr=0.1)
+    torch_zero = TorchZero(_net().parameters(), torch.optim.SGD, lr=0.1)
+    for model, opt in ((sharded, _sgd(sharded.parameters())), (_net(), zero), (_net(), torch_zero)):
+        try:
+            LocalSGD(model, opt, sync_every=2)
+            out.append("accepted")
+        except TypeError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.multirank
+def test_frozen_and_integer_state_start_equal_and_sharded_state_is_refused():
+    """A plain module's frozen parameters and integer buffers start equal too (only the
+    trainable ones were broadcast); a fully_shard model, lockstep's and torch's ZeRO are refused
+    (each was accepted and trained as something else)."""
+    for equal, sharded, zero, torch_zero in lockstep.spawn(_refusals_worker, 2, timeout=120):
+        assert equal == "equal"
+        assert "sharded by fully_shard" in sharded
+        assert "ZeroRedundancyOptimizer shards the optimizer" in zero
+        assert "ZeroRedundancyOptimizer shards the optimizer" in torch_zero

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lockstep.comm.hooks import GradBucket, completed_future
 from lockstep.comm.state import ByteCounter
 from lockstep.distributed import global_rank, resolve_group
+from lockstep.shards import is_shard
 
 __all__ = ["LocalSGD", "local_gradients_hook"]
 
@@ -30,6 +31,23 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 def local_gradients_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A comm hook that sends nothing: each rank keeps its own gradients."""
     return completed_future(bucket.buffer())
+
+
+def _refuse_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Local SGD merges whole replicas: a model or optimizer that shards its state has none."""
+    sharded = [name for name, p in model.named_parameters() if is_shard(p)]
+    if sharded:
+        raise TypeError(
+            f"LocalSGD: the model is sharded by fully_shard (parameter {sharded[0]!r} is one "
+            "rank's shard), so the ranks hold no replicas to merge and its gradients are still "
+            "reduced every step. Use LocalSGD with a plain or DistributedDataParallel model"
+        )
+    if callable(getattr(optimizer, "consolidate_state_dict", None)):
+        raise TypeError(
+            f"LocalSGD: {type(optimizer).__name__} shards the optimizer across ranks and "
+            "broadcasts each shard from its owner at every step, which is neither local SGD nor "
+            "DDP. Pass the plain optimizer (e.g. torch.optim.AdamW) that each rank steps alone"
+        )
 
 
 def _flat_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -88,6 +106,7 @@ class LocalSGD:
             raise ValueError(
                 f"sync_every must be at least 1 (steps between merges), got {sync_every}"
             )
+        _refuse_sharded(model, optimizer)
         self.model = model
         self.optimizer = optimizer
         self.sync_every = sync_every
@@ -150,9 +169,11 @@ class LocalSGD:
 
     @torch.no_grad()
     def _broadcast_from_first_rank(self) -> None:
+        """Every parameter and buffer from rank 0, frozen ones and integer counters too (only
+        the trainable ones and the floating-point buffers are merged later)."""
         source = global_rank(self.process_group, 0)
-        for tensor in self._params + self._buffers:
-            dist.broadcast(tensor, src=source, group=self.process_group)
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            dist.broadcast(tensor.detach(), src=source, group=self.process_group)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner (and outer) optimizer state, the anchors and the step count."""
