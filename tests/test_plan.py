@@ -254,6 +254,8 @@ def test_what_if_settings_that_would_not_be_used_are_refused(tmp_path, capsys):
     assert "--dtype: what-if settings, which a profile replaces" in capsys.readouterr().err
     assert main(["plan", "--params", "125M", "--step-time", "0.1", "--mfu", "0.5", "--gpus", "8"]) == 2
     assert "with a measured --step-time it would not be used" in capsys.readouterr().err
+    assert main(["plan", "--params", "125M", "--step-time", "0.1", "--link", "", "--gpus", "8"]) == 2
+    assert "--link is empty" in capsys.readouterr().err
 
 
 def test_profile_without_buckets_gets_synthetic_ones(tmp_path):
@@ -345,6 +347,8 @@ def test_cli_refuses_values_it_cannot_price_naming_the_flag(argv, text, capsys):
     (lambda d: d["model"].update(trainable_parameters=1e15), "field model.trainable_parameters must be between 1"),
     (lambda d: d.update(link={"alpha": 1e-5, "beta": 0}), "field link.beta must be > 0"),
     (lambda d: d.update(device=["cuda"]), "field device must be a string"),
+    (lambda d: d["model"].update(buffer_bytes="abc"), "field model.buffer_bytes must be a finite number"),
+    (lambda d: d.update(buckets=[5]), "buckets[0] must be an object, got 5"),
 ])
 def test_profile_fields_of_the_wrong_kind_name_the_file_and_field(tmp_path, change, text):
     doc = profile_doc()

@@ -139,7 +139,9 @@ def _topology(args: argparse.Namespace, workload, measured):  # -> Topology
     if args.link is None and link is not None:
         # Measured here: every GPU of the plan on this machine's own link.
         return Topology(link, max(args.gpus))
-    return parse_topology(args.link or "nvlink4:8,ib-ndr400",
+    if args.link is not None and not args.link.strip():
+        raise ValueError("--link is empty: give a preset such as nvlink4:8,ib-ndr400, or leave it out")
+    return parse_topology(args.link if args.link is not None else "nvlink4:8,ib-ndr400",
                           {"measured": link} if link is not None else None)
 
 

@@ -209,7 +209,9 @@ def describe(parameters: float, *, step_time: float | None = None,
 
 
 def _need(obj: dict, key: str, where: str, path: str) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
+    if not isinstance(obj, dict):
+        raise ProfileError(f"{path}: {where.rstrip('.') or 'the profile'} must be an object, got {obj!r}")
+    if key not in obj:
         raise ProfileError(f"{path}: missing field {where}{key!r}; is this a lockstep profile "
                            "(docs/profile-format.md)?")
     return obj[key]
@@ -336,8 +338,8 @@ def _buffer_broadcasts(model: dict, path: str) -> tuple[float, ...] | None:
         raw = model["buffer_broadcasts"]
         field_name = "model.buffer_broadcasts"
     elif "buffer_bytes" in model:
-        raw = [model["buffer_bytes"]] if model["buffer_bytes"] else []
-        field_name = "model.buffer_bytes"
+        size = _number(model["buffer_bytes"], "model.buffer_bytes", path)
+        return (size,) if size else ()
     else:
         return None
     try:
