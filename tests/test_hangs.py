@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 
 import lockstep
+import lockstep.helper
 from lockstep.checkpoint import CheckpointError
 from lockstep.diagnose.hang import BLAME_FILE, CollectiveTimeoutError, write_blame
 from lockstep.diagnose.progress import INTERVAL_ENV_VAR, publish_interval
@@ -198,7 +199,7 @@ def test_rank_sleeping_before_backward_is_named_by_every_waiting_rank(tmp_path, 
             f"rank {rank}: DDP gradient all-reduce (bucket 0 of 1) failed after waiting "), out
         assert (
             f"rank {culprit} on {HOST} did not arrive: it is alive but stuck at step 3, phase "
-            f"'after forward, before backward', last collective #3 DDP gradient all-reduce "
+            f"'after forward, before backward', last collective #5 DDP gradient all-reduce "
             "(bucket 0)"
         ) in out["error"], out
         assert f"Timed out waiting {TIMEOUT_S * 1000:.0f}ms" in out["error"]
@@ -312,7 +313,69 @@ def test_launcher_names_the_rank_that_skipped_a_collective_not_the_one_gloo_abor
     assert code == 1, err[-3000:]
     assert "Root cause: rank 1 (local rank 1, pid " in err, err[-3000:]
     assert ("skipped a collective its peers ran at step 3, phase 'after forward, before "
-            "backward': it had entered 3 collectives where they had entered 4 (named by rank(s) 0)"
+            "backward': it had entered 7 collectives where they had entered 8 (named by rank(s) 0)"
             ) in err, err[-3000:]
     assert "SIGABRT" not in err.split("lockstep run: the job failed")[-1], err[-3000:]
     assert "rank 0: gloo aborted this process" in err
+
+
+# ---- collectives outside DDP's buckets -----------------------------------------------------------
+def _stop_elsewhere(rank: int, mode: str, directory: str) -> dict:
+    """Rank 1 stops where ``mode`` says; rank 0 runs on into the collective it never joins."""
+    lockstep.init_distributed(timeout=timedelta(seconds=TIMEOUT_S))
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    done = Path(directory, "done-0")
+    out: dict = {"error": "no error"}
+    start = time.monotonic()
+    try:
+        if mode == "ddp-start":
+            if rank == 1:
+                wait_for_files([done])  # stuck before wrapping its model
+                return out
+            lockstep.DistributedDataParallel(nn.Linear(4, 4))
+        elif mode == "fully_shard":
+            model = lockstep.fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
+            for step in range(1, 4):
+                if rank == 1 and step == 2:
+                    wait_for_files([done])  # stuck before its second forward
+                    return out
+                start = time.monotonic()
+                model(torch.ones(2, 4)).sum().backward()
+        elif mode == "local_sgd":
+            net = nn.Linear(4, 1)
+            averager = lockstep.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                         sync_every=2)
+            for step in range(1, 5):
+                if rank == 1 and step == 2:
+                    wait_for_files([done])  # stuck before the step that averages
+                    return out
+                start = time.monotonic()
+                net(torch.ones(2, 4)).sum().backward()
+                averager.step()
+        elif mode == "metrics":
+            if rank == 1:
+                wait_for_files([done])
+                return out
+            lockstep.helper.all_reduce_metrics({"loss": 1.0})
+    except CollectiveTimeoutError as exc:
+        out = {"error": str(exc), "missing": exc.missing_ranks, "op": exc.op,
+               "elapsed": time.monotonic() - start}
+    if rank == 0:
+        done.touch()
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode,op", [
+    ("ddp-start", "DDP start-up parameter check"),
+    ("fully_shard", "fully_shard all-gather"),
+    pytest.param("local_sgd", "LocalSGD parameter average", marks=pytest.mark.slow),
+    pytest.param("metrics", "metric all-reduce (mean)", marks=pytest.mark.slow),
+])
+def test_rank_stuck_outside_ddp_buckets_is_named(tmp_path, mode, op):
+    out = lockstep.spawn(_stop_elsewhere, 2, (mode, str(tmp_path)), timeout=120)[0]
+    assert out.get("missing") == [1], out
+    assert out["op"] == op, out
+    assert f"rank 1 on {HOST} did not arrive: it is alive but stuck at step" in out["error"], out
+    assert out["elapsed"] < NAMED_WITHIN_S, out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from lockstep.comm.hooks import GradBucket, completed_future
 from lockstep.comm.state import ByteCounter
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_rank, resolve_group
 from lockstep.shards import is_shard
 
@@ -161,7 +164,8 @@ class LocalSGD:
         for group in _flat_groups(tensors):
             flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
             self.counter.record(flat)
-            dist.all_reduce(flat, group=self.process_group)
+            hang.run(group_progress(self.process_group), "LocalSGD parameter average",
+                     partial(dist.all_reduce, flat, group=self.process_group))
             start = 0
             for t in group:
                 t.copy_(flat[start : start + t.numel()].view_as(t))
@@ -172,8 +176,10 @@ class LocalSGD:
         """Every parameter and buffer from rank 0, frozen ones and integer counters too (only
         the trainable ones and the floating-point buffers are merged later)."""
         source = global_rank(self.process_group, 0)
+        progress = group_progress(self.process_group)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            dist.broadcast(tensor.detach(), src=source, group=self.process_group)
+            hang.run(progress, "LocalSGD start-up broadcast from rank 0",
+                     partial(dist.broadcast, tensor.detach(), src=source, group=self.process_group))
 
     def state_dict(self) -> dict[str, Any]:
         """The inner (and outer) optimizer state, the anchors and the step count."""

@@ -18,8 +18,14 @@ import torch
 import torch.distributed as dist
 
 from lockstep.ddp.shard_tree import TreeSum, tree_sum
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 
 __all__ = ["ShardBuckets"]
+
+
+_EXCHANGE = "VirtualShardDDP gradient exchange (all-to-all)"
+_GATHER = "VirtualShardDDP gradient all-gather"
 
 
 class ShardBuckets:
@@ -85,23 +91,29 @@ class ShardBuckets:
         send = local.new_zeros(chunk * self.world_size)
         send[:n] = local
         received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-        self._launched.append((received, work, chunk, n))
+        progress = group_progress(self.group)
+        seq = progress.enter(_EXCHANGE)
+        work = hang.call_as(progress, seq, _EXCHANGE, lambda: dist.all_to_all_single(
+            received, send, group=self.group, async_op=True))
+        self._launched.append((received, (seq, work), chunk, n))
 
     def finish(self, scale: float) -> None:
         """Launch what backward left, finish every bucket, and set each ``.grad`` (times
         ``scale``)."""
         self._launch_ready(force=True)
         gathers = []
-        for received, work, chunk, n in self._launched:
-            work.wait()
+        progress = group_progress(self.group)
+        for received, (seq, work), chunk, n in self._launched:
+            hang.wait(progress, seq, _EXCHANGE, work)
             mine = tree_sum(list(received.view(self.world_size, chunk).unbind(0)))
             out = torch.empty_like(received)
-            handle = dist.all_gather(list(out.view(self.world_size, chunk).unbind(0)), mine,
-                                     group=self.group, async_op=True)
-            gathers.append((out, handle, n))
-        for (out, handle, n), members in zip(gathers, self.buckets):
-            handle.wait()
+            parts = list(out.view(self.world_size, chunk).unbind(0))
+            at = progress.enter(_GATHER)
+            handle = hang.call_as(progress, at, _GATHER, lambda: dist.all_gather(
+                parts, mine, group=self.group, async_op=True))  # noqa: B023 - called at once
+            gathers.append((out, (at, handle), n))
+        for (out, (at, handle), n), members in zip(gathers, self.buckets):
+            hang.wait(progress, at, _GATHER, handle)
             flat, offset = out[:n] * scale, 0
             for i in members:
                 p = self.params[i]

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.virtual_world import check_virtual_shards, is_power_of_two
 
 # check_virtual_shards is re-exported: its home is torch-free, for the launcher.
@@ -75,8 +77,11 @@ def combine_subtrees(local: torch.Tensor, world_size: int, group: Any = None) ->
     send = local.new_zeros(chunk * world_size)
     send[:n] = local
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    progress = group_progress(group)
+    hang.run(progress, "VirtualShardDDP gradient exchange (all-to-all)",
+             lambda: dist.all_to_all_single(received, send, group=group))
     mine = tree_sum(list(received.view(world_size, chunk).unbind(0)))
     out = torch.empty_like(send)
-    dist.all_gather(list(out.view(world_size, chunk).unbind(0)), mine, group=group)
+    hang.run(progress, "VirtualShardDDP gradient all-gather",
+             lambda: dist.all_gather(list(out.view(world_size, chunk).unbind(0)), mine, group=group))
     return out[:n]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from torch import nn
 
 from lockstep.ddp.shard_buckets import ShardBuckets
 from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_rank
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
@@ -197,9 +200,11 @@ class VirtualShardDDP(nn.Module):
         self._buckets: ShardBuckets | None = None
         if self.world_size > 1:
             source = global_rank(process_group, 0)
+            progress = group_progress(process_group)  # a rank that never comes is named
             with torch.no_grad():
                 for tensor in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(tensor, source, group=process_group)
+                    hang.run(progress, "VirtualShardDDP start-up broadcast from rank 0",
+                             partial(dist.broadcast, tensor, source, group=process_group))
 
     def _bucketed(self, params: list[nn.Parameter]) -> ShardBuckets | None:
         """The bucketed, overlapped reduction for these parameters (``None`` in a world of one

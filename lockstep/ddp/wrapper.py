@@ -44,6 +44,7 @@ from lockstep.ddp.replica_sync import (
 )
 from lockstep.ddp.sparse import expects_sparse_gradients
 from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_rank
 from lockstep.dp.scatter_gather import gather, scatter_kwargs
 from lockstep.tensors import move_to
@@ -195,9 +196,14 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             buffers = ([(n, b) for n, b in module.named_buffers() if n not in ignored]
                        if sync_buffers_at_init else [])
             params = [(n, p) for n, p in module.named_parameters() if n not in ignored]
-            verify_same_parameters(params, self.process_group, buffers)
+            # A rank that never comes (stuck, or gone before wrapping) is named, not waited on
+            # until the backend's anonymous timeout.
+            progress = group_progress(self.process_group)
+            hang.run(progress, "DDP start-up parameter check",
+                     lambda: verify_same_parameters(params, self.process_group, buffers))
             state = [p.detach() for _, p in params] + [b.detach() for _, b in buffers]
-            broadcast_coalesced(state, self._src, self.process_group)
+            hang.run(progress, "DDP start-up broadcast from rank 0",
+                     lambda: broadcast_coalesced(state, self._src, self.process_group))
         # LOCKSTEP_PROFILE=dir, set by `lockstep doctor`: the doctor's answer (lockstep.profilers)
         settings = profilers.current().settings_from_env()
         if settings is not None:

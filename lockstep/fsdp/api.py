@@ -373,13 +373,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if norm_type == float("inf"):
         local = max((g.detach().abs().max() for g in grads), default=torch.tensor(0.0))
         total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
-        if collectives.group_size(units[0].shard_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=units[0].shard_group)
+        collectives.all_reduce(total, units[0].shard_group, op=dist.ReduceOp.MAX,
+                               name="clip_grad_norm_ all-reduce (max)")
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             total += g.detach().double().norm(norm_type) ** norm_type
-        collectives.all_reduce(total, units[0].shard_group).wait()
+        collectives.all_reduce(total, units[0].shard_group, name="clip_grad_norm_ all-reduce")
         total = total ** (1.0 / norm_type)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

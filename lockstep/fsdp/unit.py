@@ -23,6 +23,8 @@ from torch import nn
 
 from lockstep._torch_compat import current_graph_task_id, queue_callback
 from lockstep.ddp.replica_sync import ReplicaMismatchError, first_mismatch
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -75,7 +77,8 @@ def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup
              str(slot.shard.dtype).replace("torch.", ""))
             for name, unit in named for slot in unit.flat.slots]
     everyone: list[Any] = [None] * collectives.group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    hang.run(group_progress(group), "fully_shard start-up parameter check",
+             lambda: dist.all_gather_object(everyone, mine, group=group))
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     for rank, theirs in zip(ranks, everyone):
         diff = first_mismatch(everyone[0], theirs)

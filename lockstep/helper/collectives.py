@@ -11,6 +11,9 @@ from collections.abc import Mapping, Sized
 import torch
 import torch.distributed as dist
 
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
+
 __all__ = ["Metric", "all_reduce_metrics", "gather_for_eval"]
 
 Metric = torch.Tensor | float | int
@@ -62,7 +65,8 @@ def all_reduce_metrics(
         for v in items.values()
     ]
     packed = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
-    dist.all_reduce(packed, op=_OPS[op], group=group)
+    hang.run(group_progress(group), f"metric all-reduce ({op})",
+             lambda: dist.all_reduce(packed, op=_OPS[op], group=group))
     if op == "mean":
         packed /= dist.get_world_size(group)
     parts = packed.split([t.numel() for t in flat])
@@ -98,7 +102,9 @@ def gather_for_eval(
     """
     world = dist.get_world_size(group)
     shapes: list[tuple[int, ...] | None] = [None] * world
-    dist.all_gather_object(shapes, tuple(tensor.shape), group=group)
+    progress = group_progress(group)
+    hang.run(progress, "gather_for_eval shapes",
+             lambda: dist.all_gather_object(shapes, tuple(tensor.shape), group=group))
     if len(set(shapes)) != 1:
         raise ValueError(
             f"gather_for_eval needs the same shape on every rank, got {shapes} by rank: give "
@@ -106,7 +112,8 @@ def gather_for_eval(
         )
     local = tensor.detach().to(device).contiguous()
     gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
+    hang.run(progress, "gather_for_eval all-gather",
+             lambda: dist.all_gather(gathered, local, group=group))
     # stack -> [world, rows, ...]; transposing interleaves ranks back into sampler order.
     ordered = torch.stack(gathered).transpose(0, 1).reshape(-1, *local.shape[1:])
     length = len(total) if hasattr(total, "__len__") else int(total)

@@ -19,6 +19,8 @@ from torch.optim import Optimizer
 
 from lockstep._torch_compat import optimizer_state_dict_hooks
 from lockstep.ddp.replica_sync import ReplicaMismatchError
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.zero import state as zstate
 from lockstep.zero.broadcast import (
     attach_views,
@@ -330,8 +332,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         _check_backend(str(dist.get_backend(self.process_group)), device)
         signature = [(g, i, tuple(p.shape), str(p.dtype)) for g, i, p in params]
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (signature, _checksums([p for _, _, p in params])),
-                               group=self.process_group)
+        mine = (signature, _checksums([p for _, _, p in params]))
+        hang.run(group_progress(self.process_group), "ZeRO start-up parameter check",
+                 lambda: dist.all_gather_object(everyone, mine, group=self.process_group))
         ours, our_sums = everyone[0]
         for rank, (theirs, their_sums) in enumerate(everyone):
             if theirs != ours:
