@@ -379,3 +379,43 @@ def test_rank_stuck_outside_ddp_buckets_is_named(tmp_path, mode, op):
     assert out["op"] == op, out
     assert f"rank 1 on {HOST} did not arrive: it is alive but stuck at step" in out["error"], out
     assert out["elapsed"] < NAMED_WITHIN_S, out
+
+
+def _stop_a_pipeline_stage(rank: int, culprit: int, directory: str) -> dict:
+    """Two pipeline stages; ``culprit`` stops before step 2, its neighbour waits for a message."""
+    lockstep.init_distributed(timeout=timedelta(seconds=TIMEOUT_S))
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    pipe = lockstep.Pipeline(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), chunks=2,
+                             loss_fn=nn.functional.cross_entropy)
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    other = Path(directory, f"done-{1 - culprit}")
+    out: dict = {"error": "no error"}
+    start = time.monotonic()
+    try:
+        for step in range(1, 4):
+            if rank == culprit and step == 2:
+                wait_for_files([other])  # stuck: its neighbour's next message never comes
+                break
+            start = time.monotonic()
+            pipe.step(*([x] if rank == 0 else []), target=y if rank == 1 else None)
+    except CollectiveTimeoutError as exc:
+        out = {"error": str(exc), "missing": exc.missing_ranks, "op": exc.op,
+               "elapsed": time.monotonic() - start}
+    Path(directory, f"done-{rank}").touch()
+    if rank == 0:  # rank 0 hosts the store: it stays until its neighbour has read its record
+        wait_for_files([Path(directory, "done-1")])
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("culprit,op", [
+    (1, "pipeline: receiving gradients from rank 1"),
+    pytest.param(0, "pipeline: receiving activations from rank 0", marks=pytest.mark.slow),
+])
+def test_stuck_pipeline_stage_is_named_by_its_neighbour(tmp_path, culprit, op):
+    out = lockstep.spawn(_stop_a_pipeline_stage, 2, (culprit, str(tmp_path)), timeout=120)[1 - culprit]
+    assert out.get("missing") == [culprit], out
+    assert out["op"] == op, out
+    assert f"rank {culprit} on {HOST} did not arrive: it is alive but stuck at step" in out["error"], out
+    assert out["elapsed"] < NAMED_WITHIN_S, out

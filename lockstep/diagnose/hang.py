@@ -37,6 +37,7 @@ __all__ = [
     "LocalUsageError",
     "call_as",
     "describe_missing",
+    "from_peer",
     "observe_peers",
     "read_blame",
     "run",
@@ -221,6 +222,34 @@ def _find_culprits(
     # A peer that arrived after the timeout is slow, not stuck; one that entered and then left
     # is to blame only if nobody is behind (peers that time out like this one exit too).
     return (culprits or late or gone_but_arrived), silent_s
+
+
+def from_peer(peer: int, op: str, call: Callable[[], Any]) -> Any:
+    """``call()``, a point-to-point transfer with global rank ``peer`` (a pipeline's send or
+    receive); when the backend gives up on it, the error names ``peer`` and where it is.
+
+    Point-to-point messages are not counted: the one peer of the transfer is the rank to blame,
+    and its heartbeat says whether it is stuck, gone or exited.
+    """
+    start = time.monotonic()
+    try:
+        return call()
+    except Exception as exc:
+        found = tracker()
+        if found is None or isinstance(exc, CollectiveTimeoutError) or not _PEER_TROUBLE.search(
+                str(exc)):
+            raise
+        waited = time.monotonic() - start
+        try:
+            states, latest, silent_s = observe_peers(found, found.read([peer]))
+        except Exception:  # noqa: BLE001 - the store's host may be the one gone
+            raise _store_gone(found.rank, op, exc, waited) from exc
+        culprit = Culprit(peer, states[peer], latest[peer])
+        message = (f"rank {found.rank}: {op} failed after waiting {waited:.1f}s (step "
+                   f"{found.step}): {culprit.describe(silent_s)}. Backend error: "
+                   f"{_first_line(exc)}{_stacks_of([culprit])}")
+        write_blame(found.rank, [culprit.as_dict()], message)
+        raise CollectiveTimeoutError(message, op, [peer]) from exc
 
 
 def describe_missing(missing: list[int], message: str) -> str:

@@ -8,14 +8,21 @@ need no header: they have the shapes of the outputs the receiving stage sent.
 Sends are asynchronous (``isend``) and finished with :func:`wait_all` at the end of a step, so
 a stage never blocks on a neighbour that is busy sending to it: the only blocking calls are
 receives, which a valid schedule always satisfies.
+
+A transfer the backend gives up on (a neighbour stuck, gone, or out of the loop early) fails
+naming that neighbour (``lockstep.diagnose.hang.from_peer``), not with the backend's anonymous
+timeout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from lockstep.diagnose import hang
 
 __all__ = [
     "recv_grads",
@@ -66,7 +73,7 @@ def send_tensors(
     """
     payload = _activation_payload(tensors, device)
     # The tensors travel with the works so nothing is freed before the send completes.
-    return [(dist.isend(t, dst, group=group, tag=_FORWARD_TAG), payload) for t in payload]
+    return [(dist.isend(t, dst, group=group, tag=_FORWARD_TAG), payload, dst) for t in payload]
 
 
 def send_tensors_recv_grads(
@@ -92,12 +99,13 @@ def send_tensors_recv_grads(
     ops += [dist.P2POp(dist.irecv, g, peer, group, _BACKWARD_TAG) for g in grads]
     works = dist.batch_isend_irecv(ops)
     sends = len(ops) - len(grads)
+    what = f"pipeline: receiving gradients from rank {peer}"
     if len(works) == len(ops):  # one work per message: leave the sends running
         for work in works[sends:]:
-            work.wait()
-        return [(work, keep) for work in works[:sends]], grads
+            hang.from_peer(peer, what, work.wait)
+        return [(work, keep, peer) for work in works[:sends]], grads
     for work in works:  # one work for the whole batch (NCCL coalescing)
-        work.wait()
+        hang.from_peer(peer, what, work.wait)
     return [], grads
 
 
@@ -105,10 +113,11 @@ def recv_tensors(
     src: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """Receive an activation tuple from global rank ``src``, as sent by :func:`send_tensors`."""
+    what = f"pipeline: receiving activations from rank {src}"
     size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, src, group=group, tag=_FORWARD_TAG)
+    hang.from_peer(src, what, partial(dist.recv, size, src, group=group, tag=_FORWARD_TAG))
     meta = torch.empty(int(size.item()), dtype=torch.int64, device=device)
-    dist.recv(meta, src, group=group, tag=_FORWARD_TAG)
+    hang.from_peer(src, what, partial(dist.recv, meta, src, group=group, tag=_FORWARD_TAG))
     header = meta.tolist()
     tensors, pos = [], 1
     for _ in range(header[0]):
@@ -116,7 +125,7 @@ def recv_tensors(
         shape = header[pos + 2: pos + 2 + ndim]
         pos += 2 + ndim
         t = torch.empty(shape, dtype=_DTYPES[code], device=device)
-        dist.recv(t, src, group=group, tag=_FORWARD_TAG)
+        hang.from_peer(src, what, partial(dist.recv, t, src, group=group, tag=_FORWARD_TAG))
         tensors.append(t)
     return tuple(tensors)
 
@@ -124,7 +133,7 @@ def recv_tensors(
 def send_grads(grads: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None) -> list:
     """Start sending gradients back to global rank ``dst`` (no header: it knows their shapes)."""
     return [
-        (dist.isend(g.contiguous(), dst, group=group, tag=_BACKWARD_TAG), g) for g in grads
+        (dist.isend(g.contiguous(), dst, group=group, tag=_BACKWARD_TAG), g, dst) for g in grads
     ]
 
 
@@ -136,15 +145,16 @@ def recv_grads(
 ) -> tuple[torch.Tensor, ...]:
     """Receive one gradient per ``(shape, dtype)`` slot from global rank ``src``."""
     grads = []
+    what = f"pipeline: receiving gradients from rank {src}"
     for shape, dtype in slots:
         g = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(g, src, group=group, tag=_BACKWARD_TAG)
+        hang.from_peer(src, what, partial(dist.recv, g, src, group=group, tag=_BACKWARD_TAG))
         grads.append(g)
     return tuple(grads)
 
 
 def wait_all(pending: list) -> None:
     """Finish every send started with :func:`send_tensors` or :func:`send_grads`."""
-    for entry in pending:
-        entry[0].wait()
+    for work, _, peer in pending:
+        hang.from_peer(peer, f"pipeline: sending to rank {peer}", work.wait)
     pending.clear()

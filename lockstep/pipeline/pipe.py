@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.pipeline.local import run_local
 from lockstep.pipeline.partition import Balance, split_layers, stage_sizes
 from lockstep.pipeline.ranks import StagePeers, run_rank
@@ -130,7 +132,8 @@ class Pipeline(nn.Module):
             except Exception as exc:  # noqa: BLE001 - sent to the other ranks, re-raised there
                 answer = [f"{type(exc).__name__}: {exc}"]
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(answer, src=src, group=group)
+        hang.run(group_progress(group), "Pipeline balance='time' split from rank 0",
+                 lambda: dist.broadcast_object_list(answer, src=src, group=group))
         if isinstance(answer[0], str):
             raise RuntimeError(  # noqa: TRY004 - a remote failure, not a type error
                 f"rank {src} failed timing the layers for balance='time': "
