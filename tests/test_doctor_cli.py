@@ -118,6 +118,25 @@ def test_doctor_names_a_missing_script_and_an_out_dir_it_cannot_make(tmp_path, c
     assert f"cannot write into --out-dir {taken}" in capsys.readouterr().err
 
 
+@pytest.mark.multirank
+def test_a_failed_run_leaves_no_earlier_profile_that_passes_for_its_own(tmp_path):
+    """An earlier run's profile.json (per world and the report) is removed before the runs: a
+    script that now fails leaves nothing that `lockstep plan` would take for this one."""
+    out = tmp_path / "doc"
+    for stale in (out / "world1" / "profile.json", out / "world2" / "profile.json",
+                  out / "profile.json", out / "summary.json"):
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text('{"from": "an earlier script"}')
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    cmd = [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "2", "--steps", "4",
+           "--warmup", "1", "--out-dir", str(out), str(script)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=220,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert sorted(p.name for p in out.rglob("*.json")) == [], done.stderr[-3000:]
+
+
 _NO_GROUP = """
 import torch
 model = torch.nn.Linear(4, 1)

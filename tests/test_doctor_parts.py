@@ -76,3 +76,71 @@ def test_rank_file_writes_once_per_new_step_and_ends_a_bounded_run(tmp_path):
         assert payloads == [3, 5] and not list((tmp_path / "out").glob("*.tmp"))
     finally:
         rank_file.close()
+
+
+def test_an_optimizer_stepped_inside_another_is_one_step():
+    """torch's ZeroRedundancyOptimizer steps its inner optimizer, then syncs the parameters:
+    that sync is optimizer time, not the next step's data."""
+    model = torch.nn.Linear(2, 2)
+    calls: list[str] = []
+    watch = OptimizerWatch(model.parameters(), lambda: calls.append("start"),
+                           lambda: calls.append("end"))
+
+    class Outer(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            inner.step()
+            calls.append("sync")
+            return None
+
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = Outer(model.parameters(), lr=0.1)
+    _step(outer)
+    _step(inner)  # alone, it is a step of its own
+    assert calls == ["start", "sync", "end", "start", "end"]
+    watch.close()
+
+
+def test_backward_start_is_marked_by_whichever_output_the_loss_uses():
+    from lockstep.ddp.backward_end import hook_backward_start
+
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    out = model(x)
+    aux, logits = out.mean(1), out * 2  # the loss uses the second output only
+    marks: list[int] = []
+    assert hook_backward_start((aux, logits), lambda: marks.append(1)) == 2
+    logits.sum().backward(retain_graph=True)
+    assert marks == [1]  # once per backward, though the output had one hooked tensor per use
+    (logits.sum() + aux.sum()).backward()
+    assert marks == [1, 1]
+
+
+def test_a_step_of_accumulated_micro_batches_counts_all_their_samples():
+    """Two micro-batches of 8 under no_sync() then a synced one: 16 samples per step (the plan
+    prices samples per second from it); a second forward of the same batch before one backward
+    (two views, a contrastive loss) brings no new samples."""
+    from lockstep.doctor.recorder import Recorder
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = Recorder(torch.device("cpu"), model.parameters(), warmup=0)
+    for _ in range(3):
+        for synced in (False, True):
+            x = torch.randn(8, 2)
+            recorder.forward_started((x,))
+            recorder.forward_ended()
+            recorder.backward_started()
+            recorder.backward_ended(synced=synced)
+        _step(optimizer)
+    assert recorder.batch_size == 16
+    views = Recorder(torch.device("cpu"), model.parameters(), warmup=0)
+    for _ in range(3):
+        for _view in range(2):
+            views.forward_started((torch.randn(8, 2),))
+            views.forward_ended()
+        views.backward_started()
+        views.backward_ended(synced=True)
+        _step(optimizer)
+    assert views.batch_size == 8
+    recorder.close()
+    views.close()

@@ -88,3 +88,28 @@ def test_buckets_not_observed_are_said_so_and_suggest_no_comm_hook():
     actions = "\n".join(a.text for a in speedup_account(one, many).actions)
     assert "register_comm_hook" not in actions and "bucket_cap_mb" not in actions
     assert one["attribution"]["buckets_observed"] is True  # nothing to observe alone
+
+
+def test_a_step_that_reduces_in_every_backward_has_no_negative_ready_times():
+    """Accumulation without no_sync(): two backwards per step, each reducing bucket 0. Each
+    bucket event belongs to the backward it came from (the plan refused ready < 0), and the
+    communication per step counts both reductions."""
+    ranks = []
+    for r in range(2):
+        rank = _rank(r, 2, steps=8, warmup=2)
+        rank["buckets"] = [{"index": 0, "bytes": 2**20, "params": ["w"]}]
+        for step in rank["steps"]:
+            t0 = step["begin"]
+            step["backwards"] = [[t0 + 0.02, t0 + 0.03, t0 + 0.035], [t0 + 0.06, t0 + 0.07, t0 + 0.08]]
+            step["buckets"] = [
+                {"index": 0, "ready": t0 + b + 0.009, "last_param": "w", "launch": t0 + b + 0.009,
+                 "done": t0 + b + 0.014, "waited": t0 + b + 0.015}
+                for b in (0.02, 0.06)]
+        ranks.append(rank)
+    profile = build_profile(ranks)
+    (bucket,) = profile["buckets"]
+    assert bucket["ready"] == pytest.approx(0.009)
+    assert bucket["per_step"] == pytest.approx(2.0)
+    assert bucket["exposed"] == pytest.approx(0.005)  # 15 ms waited - 10 ms compute, each time
+    text = findings_text(profile)
+    assert "2.00 MB per step (each bucket reduced 2 times per step" in text

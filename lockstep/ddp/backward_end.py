@@ -20,7 +20,7 @@ import torch
 from lockstep._torch_compat import current_graph_task_id
 from lockstep.tensors import iter_tensors
 
-__all__ = ["current_backward_id", "hook_outputs"]
+__all__ = ["current_backward_id", "hook_backward_start", "hook_outputs"]
 
 
 def hook_outputs(output: Any, on_grad: Callable[[], None]) -> int:
@@ -46,3 +46,22 @@ def hook_outputs(output: Any, on_grad: Callable[[], None]) -> int:
 def current_backward_id() -> int:
     """An id of the graph task (backward pass) running on this thread; -1 outside backward."""
     return current_graph_task_id()
+
+
+def hook_backward_start(output: Any, on_start: Callable[[], None]) -> int:
+    """Call ``on_start()`` once per backward pass through ``output``: when the first gradient
+    of any of its tensors is computed (a loss on any one output, not necessarily the first:
+    a model that returns an auxiliary tensor first and the logits second).
+
+    Returns:
+        How many tensors were hooked (0: none requires grad).
+    """
+    seen: list[int] = []  # the backward passes already marked (one, unless retain_graph)
+
+    def once() -> None:
+        task = current_graph_task_id()
+        if task not in seen:
+            seen.append(task)
+            on_start()
+
+    return hook_outputs(output, once)

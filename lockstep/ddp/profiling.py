@@ -21,10 +21,10 @@ from torch import nn
 from lockstep import profilers
 from lockstep._torch_compat import queue_callback
 from lockstep.ddp.arrivals import GradientArrivals
+from lockstep.ddp.backward_end import hook_backward_start
 from lockstep.ddp.observer import StepObserver
 from lockstep.ddp.replica_sync import broadcast_messages, live_buffers
 from lockstep.profilers import StepTiming
-from lockstep.tensors import iter_tensors
 
 if TYPE_CHECKING:
     from lockstep.ddp.reducer import Reducer
@@ -180,18 +180,16 @@ def _model_entry(module: nn.Module, buffers: list[torch.Tensor],
 
 
 def _hook_first_tensor(output: Any, clock: StepObserver, end_on_backward: bool, synced: bool) -> None:
-    """Mark the start of backward when the gradient of the first output tensor is computed.
+    """Mark the start of backward when the first gradient of an output tensor is computed.
 
     Without a reducer (a world of one) nothing else marks the end of backward, so the hook
     also queues that on the autograd engine.
     """
 
-    def started(grad: torch.Tensor) -> None:
+    def started() -> None:
         clock.backward_started()
         if end_on_backward:
             queue_callback(
                 functools.partial(clock.backward_ended, synced=synced))
 
-    first = next((t for t in iter_tensors(output) if t.requires_grad), None)
-    if first is not None:
-        first.register_hook(started)
+    hook_backward_start(output, started)

@@ -57,8 +57,9 @@ def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
     from lockstep.launcher.run import launch, scoped_environ
 
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("rank*.json"):
-        old.unlink()
+    # An earlier run's files would pass for this run's if this one writes none (it fails).
+    for old in [*folder.glob("rank*.json"), folder / "profile.json"]:
+        old.unlink(missing_ok=True)
     env = {PROFILE_ENV: str(folder.resolve()), STEPS_ENV: str(args.steps),
            WARMUP_ENV: str(args.warmup)}
     if world == 1 and args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -113,9 +114,12 @@ def findings_text(profile: dict[str, Any]) -> str:
 def _bucket_lines(profile: dict[str, Any]) -> list[str]:
     """The communication line and the per-bucket table (buckets observed)."""
     att, buckets = profile["attribution"], profile["buckets"]
-    total = sum(b["bytes"] for b in buckets)
+    total = sum(b["bytes"] * b.get("per_step", 1.0) for b in buckets)
+    reductions = max((b.get("per_step", 1.0) for b in buckets), default=1.0)
+    every = (f" (each bucket reduced {reductions:.3g} times per step: every backward reduces; "
+             "accumulate under model.no_sync() to reduce once)" if reductions > 1.05 else "")
     lines = [
-        (f"  communication: {len(buckets)} bucket(s), {total / 2**20:.2f} MB per step, "
+        (f"  communication: {len(buckets)} bucket(s), {total / 2**20:.2f} MB per step{every}, "
          f"{att['allreduce_s'] * 1e3:.1f} ms of all-reduce at {att['busbw'] / 1e9:.3f} GB/s "
          f"bus bandwidth; backward hid {att['hidden_share']:.0%} of it, "
          f"{att['exposed_comm_s'] * 1e3:.1f} ms exposed"),
@@ -161,6 +165,9 @@ def run_doctor(args: argparse.Namespace) -> int:
     worlds = [n] if args.no_baseline or n == 1 else [1, n]
     profiles: dict[int, dict[str, Any]] = {}
     baseline_failed: str | None = None  # why the 1-worker run gave no baseline
+    for stale in ("profile.json", "summary.json", "trace.json", "timeline.png"):
+        if out.is_dir():  # the report of an earlier run: gone unless this one writes its own
+            (out / stale).unlink(missing_ok=True)
     for world in worlds:
         try:
             rc = _launch(args, world, out / f"world{world}")

@@ -3,8 +3,10 @@
 torch offers optimizer step hooks only globally (every optimizer of the process calls them), so
 a profiler that wants "this model's optimizer step" without user code installs one pre and one
 post hook and keeps those optimizers that hold at least one of the model's parameters (decided
-once per optimizer, remembered weakly). The hooks hold the watch weakly: a profiler dropped
-without :meth:`OptimizerWatch.close` leaves two empty hooks behind, not itself.
+once per optimizer, remembered weakly). An optimizer stepped inside another's step (torch's
+``ZeroRedundancyOptimizer`` steps its inner optimizer, then syncs the parameters) is part of the
+outer step: only the outermost step starts and ends. The hooks hold the watch weakly: a profiler
+dropped without :meth:`OptimizerWatch.close` leaves two empty hooks behind, not itself.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class OptimizerWatch:
         self._param_ids = {id(p) for p in params}
         self._ours: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._started, self._ended = started, ended
+        self._depth = 0  # steps of the model's optimizers under way (nested: ZeRO's inner one)
         self._handles = [register_optimizer_step_pre_hook(_weak_hook(self._pre)),
                          register_optimizer_step_post_hook(_weak_hook(self._post))]
 
@@ -49,11 +52,15 @@ class OptimizerWatch:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.owns(optimizer):
-            self._started()
+            self._depth += 1
+            if self._depth == 1:
+                self._started()
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.owns(optimizer):
-            self._ended()
+        if self.owns(optimizer) and self._depth > 0:
+            self._depth -= 1
+            if self._depth == 0:
+                self._ended()
 
     def close(self) -> None:
         """Remove both hooks (idempotent)."""

@@ -116,16 +116,23 @@ def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
             step = rank_steps[k]
             if not step["backwards"] or not step["buckets"]:
                 continue
-            bwd = step["backwards"][-1]
-            previous = bwd[1]  # exposure starts when backward compute ends
+            # Exposure starts when the backward's compute ends, per backward: a step that
+            # accumulates without no_sync() reduces its buckets in every backward.
+            previous: dict[int, float] = {}
             for ev in step["buckets"]:
+                j = _backward_of(ev, step["backwards"])
+                bwd = step["backwards"][j]
                 per_bucket.setdefault(ev["index"], []).append((ev, offsets[r], bwd))
                 if ev["waited"] is not None and (critical is None or critical[k] == r):
-                    exposed = max(0.0, ev["waited"] - max(previous, bwd[1]))
+                    since = max(previous.get(j, bwd[1]), bwd[1])
+                    exposed = max(0.0, ev["waited"] - since)
                     acc.setdefault(ev["index"], {}).setdefault("exposed", []).append(exposed)
-                    previous = max(previous, ev["waited"])
+                    previous[j] = max(since, ev["waited"])
         for index, seen in per_bucket.items():
             a = acc.setdefault(index, {})
+            # Reductions of this bucket per step on one rank (more than one when a step
+            # accumulates without no_sync() and every backward reduces).
+            a.setdefault("per_step", []).append(len(seen) / len(steps))
             for ev, off, bwd in seen:
                 if ev["ready"] is not None:
                     a.setdefault("ready", []).append(ev["ready"] - bwd[0])
@@ -152,9 +159,19 @@ def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
             "allreduce": seconds,
             "busbw": busbw(info["bytes"], seconds, world),
             "exposed": _mean(a.get("exposed")),
+            "per_step": _mean(a.get("per_step")) or 1.0,
             "last_param": max(names, key=lambda n: names[n]) if names else None,
         })
     return out
+
+
+def _backward_of(ev: dict[str, Any], backwards: list[list[float]]) -> int:
+    """The index of the backward that made bucket event ``ev``: the last one that had begun by
+    the event's first mark (a step that accumulates without ``no_sync()`` has several)."""
+    at = next((ev[k] for k in ("ready", "launch", "waited") if ev.get(k) is not None), None)
+    if at is None:
+        return len(backwards) - 1
+    return max((j for j, b in enumerate(backwards) if b[0] <= at), default=0)
 
 
 def _done(ev: dict[str, Any]) -> float | None:

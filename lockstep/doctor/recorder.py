@@ -91,6 +91,8 @@ class Recorder:
         self.steps: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.step_count = steps_done
         self.batch_size: int | None = None
+        self._step_samples: collections.Counter[int] = collections.Counter()
+        self._counted = False  # a forward's samples were counted since the last backward
         self._pending: list[StepRecord] = []  # closed steps whose CUDA events are not resolved
         self._iterations: collections.deque[tuple[Stamp, Stamp, Stamp, Stamp, Stamp]] = (
             collections.deque(maxlen=history))
@@ -127,8 +129,16 @@ class Recorder:
         if self._cur.synced and not self._optimizer_seen:
             # No optimizer of this model was seen: the step ended with its last backward.
             self._close(self._cur.backwards[-1][2])
-        if self.batch_size is None and inputs is not None:
-            self.batch_size = batch_size(inputs)
+        if inputs is not None and not self._counted:
+            # The first forward before each backward brings new samples (no_sync() micro-
+            # batches); a second one before the same backward sees the same samples again
+            # (two views of a batch, a contrastive loss).
+            found = batch_size(inputs)
+            if found is not None:
+                self._cur.samples += found
+                self._counted = True
+                if self.batch_size is None:  # until a step closes: its first micro-batch
+                    self.batch_size = found
         self._fwd = [now, now, now]
         self._cur.forwards.append(self._fwd)
         self._bwd = None
@@ -171,6 +181,7 @@ class Recorder:
         self._iterations.append((fwd[0], fwd[2], bwd[0], bwd[1], bwd[2]))
         self._cur.synced = self._cur.synced or synced
         self._bwd = None
+        self._counted = False
 
     # ---- buckets (called by the reducer) --------------------------------------------------
     def bucket_ready(self, index: int, last_param: str | None = None) -> None:
@@ -227,6 +238,11 @@ class Recorder:
     # ---- steps -----------------------------------------------------------------------------
     def _close(self, end: Stamp) -> None:
         record = self._cur
+        if record.samples:
+            # The samples of a step: under no_sync() accumulation, several micro-batches. The
+            # most frequent count is the batch (an epoch's last batch may be smaller).
+            self._step_samples[record.samples] += 1
+            self.batch_size = self._step_samples.most_common(1)[0][0]
         record.end = end  # type: ignore[assignment]
         self._cur = StepRecord(begin=end)  # type: ignore[arg-type]
         self._pending.append(record)

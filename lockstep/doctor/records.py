@@ -53,6 +53,7 @@ class StepRecord:
     optimizer: list[list[float]] = field(default_factory=list)  # [start, end]
     buckets: list[BucketEvents] = field(default_factory=list)
     synced: bool = False  # a backward that reduced gradients ended in this step
+    samples: int = 0  # the batch sizes of this step's forwards, summed (accumulation: several)
 
     def to_json(self) -> dict[str, Any]:
         return {"begin": self.begin, "end": self.end, "forwards": self.forwards,

@@ -67,9 +67,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lockstep._torch_compat import queue_callback
 from lockstep.ddp.arrivals import GradientArrivals
+from lockstep.ddp.backward_end import hook_backward_start
 from lockstep.doctor.profile_env import settings_from_env
 from lockstep.doctor.recorder import Recorder
-from lockstep.tensors import iter_tensors
 
 __all__ = ["DDPObserver", "TorchDDPWatch", "observe_torch_ddp"]
 
@@ -221,11 +221,9 @@ class DDPObserver:
         if not torch.is_grad_enabled():
             return
         self.recorder.forward_ended()
-        first = next((t for t in iter_tensors(output) if t.requires_grad), None)
-        if first is not None:
-            first.register_hook(self._backward_started)
+        hook_backward_start(output, self._backward_started)
 
-    def _backward_started(self, grad: torch.Tensor) -> None:
+    def _backward_started(self) -> None:
         self.recorder.backward_started()
         synced = self.ddp is None or bool(self.ddp.require_backward_grad_sync)
         _after_backward(lambda: self._backward_ended(synced))
