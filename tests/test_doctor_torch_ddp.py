@@ -321,3 +321,15 @@ def test_two_optimizers_on_one_model_are_counted_once():
         assert [len(s) for s in spans] == [1] + [2] * 5
     finally:
         observer.close()
+
+
+def test_a_plain_model_lists_the_buffer_broadcasts_ddp_would_send():
+    """A Trainer-style script wraps in DDP only at world >= 2: its world-1 profile (the one the
+    plan reads) lists the buffer messages DDP's default broadcast_buffers=True sends."""
+    from lockstep.doctor.torch_ddp import DDPObserver
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    observer = DDPObserver(model, SETTINGS)
+    info = observer.recorder.model_info
+    assert info["buffer_broadcasts"] == [8 * 4 * 2, 8], info  # float stats, then the int64 count
+    observer.close()

@@ -106,7 +106,11 @@ class DDPObserver:
             group = self.ddp.process_group
         self._layout: dict[int, dict[str, Any]] = {}
         self._arrivals: GradientArrivals | None = None
-        broadcast = bool(getattr(self.ddp, "broadcast_buffers", False))
+        # A plain module (a script that wraps only at world >= 2, as Trainer-style loops do) is
+        # listed with the broadcasts DDP's default (broadcast_buffers=True) would send, which is
+        # what its world-1 profile is planned as.
+        broadcast = (True if self.ddp is None
+                     else bool(getattr(self.ddp, "broadcast_buffers", False)))
         self.recorder = Recorder(device, [p for _, p in named], group, self._bucket_layout,
                                  _model_entry(inner, list(inner.buffers()), broadcast),
                                  **settings, steps_done=steps_done)
