@@ -74,6 +74,7 @@ def _observed_and_plain(rank: int, steps: int) -> dict:
                        for s in rec.steps],
            "ready": [[(b.index, b.ready, b.last_param) for b in s.buckets] for s in rec.steps],
            "backwards": [s.backwards for s in rec.steps],
+           "forwards": [s.forwards for s in rec.steps],
            "layout": rec.layout(), "orders": orders, "watched": watched,
            "trainable": len(list(observed.parameters()))}
     watch.close()
@@ -96,6 +97,10 @@ def test_observed_torch_ddp_reduces_like_torch_and_stamps_each_bucket():
             assert sorted(i for i, _, _, _ in buckets) == (indices if step else [0])
             assert all(None not in (launch, done, waited) and launch <= done <= waited
                        for _, launch, done, waited in buckets)
+        # torch's DDP syncs buffers inside its forward, before the inner module runs: that
+        # wait is marked apart (exposed_comm), not counted as forward compute
+        for (start, synced, end), in r["forwards"]:
+            assert start < synced <= end
 
 
 @pytest.mark.timeout(120)

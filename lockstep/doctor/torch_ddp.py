@@ -118,6 +118,11 @@ class DDPObserver:
                                                 if self.ddp is not None else type(inner).__name__)
         self._handles = [module.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
                          module.register_forward_hook(self._forward_post)]
+        self._in_forward = False  # inside the DDP instance's forward (its inner module's runs)
+        if self.ddp is not None:
+            # torch's DDP broadcasts the buffers inside its forward, before calling the inner
+            # module: the inner module's start ends that wait (exposed_comm, not forward).
+            self._handles.append(inner.register_forward_pre_hook(self._inner_started))
         # gradient arrivals (see the module docstring): every parameter is watched until the
         # first backward ends, then only the one that arrived last
         self._arrival: dict[int, int] = {}  # parameter -> its place in the first backward
@@ -220,8 +225,15 @@ class DDPObserver:
     def _forward_pre(self, module: nn.Module, inputs: Any, kwargs: Any = None) -> None:
         if torch.is_grad_enabled():
             self.recorder.forward_started((inputs, kwargs or {}))
+            self._in_forward = True
+
+    def _inner_started(self, module: nn.Module, inputs: Any) -> None:
+        if self._in_forward:
+            self._in_forward = False
+            self.recorder.forward_synced()
 
     def _forward_post(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        self._in_forward = False
         if not torch.is_grad_enabled():
             return
         self.recorder.forward_ended()
