@@ -259,7 +259,7 @@ def _run_dp_vs_ddp(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, many: dict[str, Any], account: Account | None,
             baseline_failed: str | None = None) -> str:
     head = (f"\nlockstep doctor: {args.training_script} on {many['world_size']} worker(s) "
-            f"({many['backend']}, {many['device']}), batch {many['batch_size_per_rank']} per "
+            f"({', '.join(str(x) for x in (many['backend'], many['device']) if x)}), batch {many['batch_size_per_rank']} per "
             f"worker, {many['steps']} steps after {args.warmup} warm-up")
     parts = [head]
     if account is not None:
