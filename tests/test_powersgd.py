@@ -33,6 +33,24 @@ def test_state_rejects_bad_arguments(kwargs, message):
         PowerSGDState(**kwargs)
 
 
+def test_state_takes_torchs_keywords():
+    """A script written for torch's PowerSGDState runs unchanged (its keyword spellings)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    kwargs = {"process_group": None, "matrix_approximation_rank": 2, "start_powerSGD_iter": 10,
+              "min_compression_rate": 2, "use_error_feedback": True, "warm_start": True,
+              "orthogonalization_epsilon": 1e-8, "random_seed": 0,
+              "compression_stats_logging_frequency": 100, "batch_tensors_with_same_shape": True}
+    torch_powersgd.PowerSGDState(**kwargs)  # the same keywords are torch's
+    state = PowerSGDState(**kwargs)
+    assert state.start_powersgd_iter == 10
+    assert PowerSGDState(start_powerSGD_iter=10, start_powersgd_iter=10).start_powersgd_iter == 10
+    with pytest.raises(TypeError, match="pass one of them"):
+        PowerSGDState(start_powerSGD_iter=10, start_powersgd_iter=20)
+    with pytest.raises(ValueError, match="orthogonalization_epsilon must be a number >= 0"):
+        PowerSGDState(orthogonalization_epsilon=-1.0)
+
+
 @pytest.mark.parametrize("kwargs", [{"matrix_approximation_rank": 2.0},
                                     {"matrix_approximation_rank": float("nan")},
                                     {"start_powersgd_iter": 10.5}])

@@ -47,6 +47,13 @@ class PowerSGDState:
         warm_start: start each power step from last step's Q rather than a random one.
         random_seed: seed of the random Q; the same on every rank, so the Qs agree.
         counter: where the bytes sent are added up (a new one by default).
+        start_powerSGD_iter: torch's spelling of ``start_powersgd_iter`` (either may be given).
+        orthogonalization_epsilon: accepted for torch's signature (must be >= 0); P's columns
+            are orthonormalised by a QR factorisation, which needs no epsilon for a zero column.
+        compression_stats_logging_frequency: accepted for torch's signature; the bytes sent
+            are counted in ``counter`` every step instead of logged.
+        batch_tensors_with_same_shape: accepted for torch's signature; every matrix of a bucket
+            already travels in the same two all-reduces.
 
     Raises:
         ValueError: a rank below 1, a start step below 2 with error feedback or warm start
@@ -68,7 +75,27 @@ class PowerSGDState:
         warm_start: bool = True,
         random_seed: int = 0,
         counter: ByteCounter | None = None,
+        *,
+        start_powerSGD_iter: int | None = None,  # torch spells it so
+        orthogonalization_epsilon: float = 0,
+        compression_stats_logging_frequency: int = 10_000,
+        batch_tensors_with_same_shape: bool = False,
     ) -> None:
+        if start_powerSGD_iter is not None:  # torch's name for start_powersgd_iter
+            if start_powersgd_iter not in (1000, start_powerSGD_iter):
+                raise TypeError(
+                    f"PowerSGDState got start_powerSGD_iter={start_powerSGD_iter} and "
+                    f"start_powersgd_iter={start_powersgd_iter}: pass one of them (the same "
+                    "setting, spelled as torch does and as lockstep does)"
+                )
+            start_powersgd_iter = start_powerSGD_iter
+        if not orthogonalization_epsilon >= 0:  # NaN too
+            raise ValueError(
+                f"orthogonalization_epsilon must be a number >= 0, got {orthogonalization_epsilon}")
+        if not isinstance(compression_stats_logging_frequency, int) or (
+                compression_stats_logging_frequency < 1):
+            raise ValueError("compression_stats_logging_frequency must be a positive int, got "
+                             f"{compression_stats_logging_frequency!r}")
         for name, value in (("matrix_approximation_rank", matrix_approximation_rank),
                             ("start_powersgd_iter", start_powersgd_iter)):
             if not isinstance(value, int) or isinstance(value, bool):
