@@ -69,6 +69,8 @@ from lockstep.checkpoint.writing import (
     staging_dir,
     write_files,
 )
+from lockstep.diagnose import hang
+from lockstep.diagnose.progress import group_progress
 from lockstep.small_gather import all_gather_small
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
@@ -329,7 +331,9 @@ class Checkpointer:
         """Every rank's ``value`` (also a barrier); a world of one needs no group."""
         if self._rank_and_world()[1] == 1:
             return [value]
-        return all_gather_small(value, self.process_group)
+        # A rank that dies after the meeting (between two agreements) is named, not anonymous.
+        return hang.run(group_progress(self.process_group), "Checkpointer agreement",
+                        lambda: all_gather_small(value, self.process_group))
 
     def close(self) -> None:
         """Wait for the save in flight and remove this rank's shared-memory copies, if any;
