@@ -102,13 +102,14 @@ def test_a_step_that_reduces_in_every_backward_has_no_negative_ready_times():
             t0 = step["begin"]
             step["backwards"] = [[t0 + 0.02, t0 + 0.03, t0 + 0.035], [t0 + 0.06, t0 + 0.07, t0 + 0.08]]
             step["buckets"] = [
-                {"index": 0, "ready": t0 + b + 0.009, "last_param": "w", "launch": t0 + b + 0.009,
+                {"index": 0, "ready": t0 + b + 0.011, "last_param": "w", "launch": t0 + b + 0.011,
                  "done": t0 + b + 0.014, "waited": t0 + b + 0.015}
                 for b in (0.02, 0.06)]
         ranks.append(rank)
     profile = build_profile(ranks)
     (bucket,) = profile["buckets"]
-    assert bucket["ready"] == pytest.approx(0.009)
+    assert bucket["ready"] == pytest.approx(0.011)
+    assert bucket["ready_share"] == 1.0  # handed over just after the last gradient: not 110%
     assert bucket["per_step"] == pytest.approx(2.0)
     assert bucket["exposed"] == pytest.approx(0.005)  # 15 ms waited - 10 ms compute, each time
     text = findings_text(profile)

@@ -138,7 +138,10 @@ def bucket_stats(ranks: list[dict[str, Any]], critical: list[int] | None = None
                     a.setdefault("ready", []).append(ev["ready"] - bwd[0])
                     span = bwd[1] - bwd[0]
                     if span > 0:
-                        a.setdefault("ready_share", []).append((ev["ready"] - bwd[0]) / span)
+                        # The last bucket is stamped when DDP hands it over, a little after its
+                        # last gradient (backward's compute end): at most all of backward.
+                        share = min(1.0, (ev["ready"] - bwd[0]) / span)
+                        a.setdefault("ready_share", []).append(share)
                 if ev["last_param"]:
                     names = last.setdefault(index, {})
                     names[ev["last_param"]] = names.get(ev["last_param"], 0) + 1
