@@ -174,6 +174,35 @@ def test_hook_returning_a_tensor_names_the_hook_not_a_peer():
         assert "_returns_tensor_hook returned Tensor" in message and "Future" in message
 
 
+def _raising_callback_hook(state, bucket):
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+    def callback(fut: torch.futures.Future) -> torch.Tensor:
+        raise ValueError("bug in my hook's callback")
+
+    return future.then(callback)
+
+
+def _callback_error(rank: int) -> tuple[str, str]:
+    lockstep.init_distributed()
+    results = []
+    for cls in (torch.nn.parallel.DistributedDataParallel, lockstep.DistributedDataParallel):
+        ddp = cls(torch.nn.Linear(4, 2))
+        ddp.register_comm_hook(None, _raising_callback_hook)
+        try:
+            ddp(torch.randn(3, 4)).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+            results.append(f"{type(exc).__name__}: {exc}")
+    return results[0], results[1]
+
+
+@pytest.mark.multirank
+def test_an_error_in_a_hooks_callback_is_raised_as_torch_raises_it_not_blamed_on_a_peer():
+    for theirs, ours in lockstep.spawn(_callback_error, 2, timeout=120):
+        assert ours == theirs, (ours, theirs)  # it was "did not arrive ... raise the timeout"
+        assert "ValueError: bug in my hook's callback" in ours
+
+
 # ---- annotations are checked as torch checks them (issue 25, item 3) -----------------------
 def _hook_bad_bucket(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
     raise AssertionError("never called")

@@ -175,6 +175,10 @@ def _hook_and_ddp(rank: int) -> dict:
         ddp.register_comm_hook(None, bf16_compress_hook)
     except RuntimeError as exc:
         out["second_hook"] = str(exc)
+    # fp16 on the wire: rank 0's 1e5 alone overflows fp16 (65504); the mean, 1e5 / world, fits
+    big = GradBucket(0, torch.tensor([1e5 if rank == 0 else 0.0, 1.0]), [], [0], True)
+    out["fp16_big"] = fp32_accumulate_hook(
+        FP32AccumulateState(wire_dtype=torch.float16), big).wait().tolist()
     return out
 
 
@@ -243,6 +247,8 @@ def _check(results: list[dict]) -> None:
         assert out["join"] < 1e-3
         assert out["same_on_all_ranks"]
         assert "reduce_dtype installed lockstep.comm.fp32_accumulate_hook" in out["second_hook"]
+        world = len(results)
+        assert out["fp16_big"] == pytest.approx([1e5 / world, 1.0], rel=1e-3), out["fp16_big"]
 
 
 @pytest.mark.multirank

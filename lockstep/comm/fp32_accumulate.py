@@ -158,7 +158,11 @@ def _reduce(
     n = buffer.numel()
     chunk = -(-n // world)  # ceil: the last chunk is padded with zeros
     send = buffer.new_zeros(world * chunk, dtype=wire_dtype)
-    send[:n].copy_(buffer)
+    # float16 holds at most 65504: each rank's share (divided by the world size) is sent and
+    # the shares summed, as fp16_compress_hook divides before it casts, so a mean that fits
+    # is not lost to an overflowing addend. bfloat16 has float32's range: sent as it is.
+    prescale = wire_dtype == torch.float16
+    send[:n].copy_(buffer / world if prescale else buffer)
     if counter is not None:
         counter.record(send[:n])  # (the < world padding elements are not counted)
         if bucket.is_last():
@@ -166,7 +170,9 @@ def _reduce(
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group, async_op=True).wait()
     accumulate = torch.promote_types(buffer.dtype, torch.float32)
-    mine = fp32_accumulated_mean(received.view(world, chunk), accumulate).to(wire_dtype)
+    rows = received.view(world, chunk)
+    mean = rows.to(accumulate).sum(dim=0) if prescale else fp32_accumulated_mean(rows, accumulate)
+    mine = mean.to(wire_dtype)
     gathered = torch.empty_like(send)
     work = _all_gather_flat(gathered, mine, group)
 

@@ -250,7 +250,9 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     Returns:
         A future holding the bucket buffer, now the approximate mean over ranks.
     """
-    if state.iter < state.start_powersgd_iter:
+    if state.iter < state.start_powersgd_iter or bucket.buffer().is_sparse:
+        # (A sparse embedding's bucket holds the rows each rank looked up, not a matrix to
+        # approximate: it is averaged uncompressed, as fp32_accumulate_hook does.)
         fut = compress_hook(state, bucket, None)
         state.end_bucket(bucket)
         return fut

@@ -126,6 +126,8 @@ def wait(progress: GroupProgress, seq: int, op: str, future: Any) -> Any:
     try:
         return future.wait()
     except Exception as exc:  # the backend's error, which names nobody
+        if not isinstance(exc, dist.DistError) and not _PEER_TROUBLE.search(str(exc)):
+            raise  # the future's own error (a comm hook's callback, a dtype it cannot add)
         raise _named(progress, seq, op, exc, time.monotonic() - start) from exc
 
 
