@@ -43,7 +43,8 @@ def load_ranks(folder: str | Path) -> list[dict[str, Any]]:
             "torch.nn.parallel.DistributedDataParallel, nor (in a single process) a model whose "
             "parameters a torch.optim optimizer steps; or it ended before its first step, or "
             "its ranks failed to write their profile at exit (their error is in the workers' "
-            "output above)"
+            "output above). A model sharded with fully_shard (torch's or lockstep's) has no "
+            "DistributedDataParallel to observe: the doctor does not explain it yet"
         )
     return [json.loads(p.read_text()) for p in paths]
 
