@@ -199,7 +199,9 @@ def _callback_error(rank: int) -> tuple[str, str]:
 @pytest.mark.multirank
 def test_an_error_in_a_hooks_callback_is_raised_as_torch_raises_it_not_blamed_on_a_peer():
     for theirs, ours in lockstep.spawn(_callback_error, 2, timeout=120):
-        assert ours == theirs, (ours, theirs)  # it was "did not arrive ... raise the timeout"
+        # (the first line: torch appends the Python stack of whichever thread ran the callback)
+        first = ours.splitlines()[0]
+        assert first == theirs.splitlines()[0], (ours, theirs)  # was "did not arrive ... timeout"
         assert "ValueError: bug in my hook's callback" in ours
 
 

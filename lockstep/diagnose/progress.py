@@ -168,6 +168,12 @@ class ProgressTracker:
         self.last_op = op
         return seq
 
+    def new_world(self) -> None:
+        """Every member of a world re-formed at a step boundary (``lockstep.Survivors``) starts
+        its counts again: a replacement that joins counts from 0, and ranks that keep theirs
+        would take it for behind by every collective they ran before."""
+        self.counts.clear()
+
     # ---- publication ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """This rank's record as published."""

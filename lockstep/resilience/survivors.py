@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.diagnose.progress import tracker
 from lockstep.distributed import (
     DEFAULT_TIMEOUT,
     init_distributed,
@@ -317,6 +318,9 @@ class Survivors:
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=self.timeout)
         self._sockets.after()
+        found = tracker()
+        if found is not None:
+            found.new_world()  # collective counts start again in the new world, on every member
 
     def _await_members(self, store: Any, rank: int, members: tuple[Member, ...]) -> None:
         """Meet the new world's members before making its group, watching the launcher's marks
