@@ -87,10 +87,9 @@ def test_an_optimizer_stepped_inside_another_is_one_step():
                            lambda: calls.append("end"))
 
     class Outer(torch.optim.SGD):
-        def step(self, closure=None):  # noqa: ANN001, ANN202
+        def step(self, closure=None):
             inner.step()
             calls.append("sync")
-            return None
 
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = Outer(model.parameters(), lr=0.1)

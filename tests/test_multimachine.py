@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,38 @@ def test_a_machine_joining_an_elastic_job_is_announced(tmp_path):
     # A join is not a restart: torch does not count it, and the workers see restart count 0.
     finished = json.loads((out / "world_0.json").read_text())
     assert finished["world"] == 2 and finished["start"] > 0, finished
+
+
+def test_a_port_held_by_another_program_is_named_at_the_deadline():
+    """The endpoint accepts connections but never speaks the store's protocol (a web server, a
+    stale process): torch's client waited for its handshake forever; now an error at the
+    deadline says what holds the port."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from lockstep.launcher.stores import endpoint_store
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(RendezvousConnectionError,
+                           match=f"accepts connections, but no rendezvous store answered.*"
+                                 f"another program holds port {port}"):
+            endpoint_store("127.0.0.1", port, timedelta(seconds=60), is_host=False,
+                           deadline=time.monotonic() + 2)
+        assert time.monotonic() - start < 10
+
+
+def test_a_member_whose_launcher_stopped_answering_is_lost_until_the_rendezvous_closes():
+    """A machine that died while this one's workers wait for its workers (init_process_group)
+    makes num_nodes_waiting() restart them without it; one that ended closed the rendezvous."""
+    from datetime import datetime, timezone
+
+    from lockstep.launcher.rendezvous import lost_members
+
+    now = datetime.now(timezone.utc)
+    beats = {"a": now - timedelta(seconds=1), "b": now - timedelta(seconds=20), "me": now}
+    assert lost_members(["a", "b", "me"], beats, now, 15.0, "'me'", closed=False) == ["'b'"]
+    assert lost_members(["a", "b", "me"], beats, now, 15.0, "'me'", closed=True) == []
+    assert lost_members(["a", "me"], beats, now, 15.0, "'me'", closed=False) == []

@@ -78,6 +78,18 @@ _DEPARTED_KEY = "lockstep/rdzv/departed"  # launchers that left, whatever their 
 _DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
 
 
+def lost_members(participants: Any, last_heartbeats: Any, now: datetime, stale_after: float,
+                 me: str, closed: bool) -> list[str]:
+    """The participants (other than ``me``) with no heartbeat for more than ``stale_after``
+    seconds. None once the rendezvous is closed: a launcher that ended, well or not, closes it
+    (its heartbeat stops too), and the others are then finishing, not waiting."""
+    if closed:
+        return []
+    return [repr(node) for node in participants if repr(node) != me
+            and node in last_heartbeats
+            and (now - last_heartbeats[node]).total_seconds() > stale_after]
+
+
 class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous, with a new store for the workers of every attempt.
 
@@ -104,9 +116,25 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         waiting = super().num_nodes_waiting()
+        if waiting == 0 and self._lost_members():
+            # A machine of this round died (its launcher stopped answering) while this one's
+            # workers wait for its workers, e.g. in init_process_group: nothing fails here,
+            # so restart them and meet again without it, as for a machine that waits to join.
+            waiting = 1
         if waiting > 0:
             self._saw_waiting = True
         return waiting
+
+    def _lost_members(self) -> list[str]:
+        """The members of this round whose launcher stopped answering (state as just synced)."""
+        try:
+            torch_side = rendezvous_internals(self)
+        except RuntimeError:
+            return []
+        stale = self.settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
+        state = torch_side.state
+        return lost_members(state.participants, state.last_heartbeats, datetime.now(timezone.utc),
+                            stale, repr(torch_side.this_node), bool(state.closed))
 
     def attach(self, meeting: Meeting, nproc: int, log_dir: str | None) -> None:
         """Report through ``meeting``; publish this launcher's worker count and visit."""
@@ -315,7 +343,9 @@ def create_loopback_handler(params: RendezvousParameters) -> LoopbackRendezvousH
             f"use the {C10D_BACKEND} rendezvous for a multi-machine endpoint"
         )
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
-    store, hosting = open_loopback_store(port, read_timeout, params.get_as_bool("is_host"))
+    deadline = time.monotonic() + _rendezvous_timeout(params).join.total_seconds()
+    store, hosting = open_loopback_store(port, read_timeout, params.get_as_bool("is_host"),
+                                         _meeting(params, hosting=False), deadline)
     return _handler(LoopbackRendezvousHandler, params, store, hosting,
                     params.local_addr or LOOPBACK_HOST)
 

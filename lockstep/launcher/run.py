@@ -163,7 +163,7 @@ def _rendezvous_failure(plan: LaunchPlan, err: RendezvousError) -> str:
     if isinstance(err, RendezvousTimeoutError) and text.startswith("no rendezvous at"):
         return f"lockstep run: {text}"
     if isinstance(err, RendezvousConnectionError):
-        if text.startswith("cannot reach"):
+        if text.startswith("cannot reach") or "no rendezvous store answered" in text:
             return f"lockstep run: {text}"
         return (
             f"lockstep run: lost the rendezvous store at {plan.rdzv_endpoint}: the launcher that "

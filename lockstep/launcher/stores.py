@@ -15,8 +15,10 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,16 +81,17 @@ def loopback_store(port: int, timeout: timedelta, host: bool | None = None) -> d
 
 
 def open_loopback_store(
-    port: int, timeout: timedelta, host: bool | None = None
+    port: int, timeout: timedelta, host: bool | None = None, report: Meeting | None = None,
+    deadline: float | None = None,
 ) -> tuple[dist.TCPStore, bool]:
-    """:func:`loopback_store`, and whether this process hosts it."""
+    """:func:`loopback_store`, and whether this process hosts it (``report`` and ``deadline``:
+    as :func:`endpoint_store`'s, for a client)."""
     sock = _bind_loopback(port) if host is not False else None
     if sock is None:
         if host:
             raise RuntimeError(f"{LOOPBACK_HOST}:{port} is taken; cannot host the rendezvous store")
-        return dist.TCPStore(
-            LOOPBACK_HOST, port, is_master=False, timeout=timeout, multi_tenant=True
-        ), False
+        until = deadline or time.monotonic() + timeout.total_seconds()
+        return _connect(LOOPBACK_HOST, port, timeout, until, report), False
     bound_port = sock.getsockname()[1]
     # The store takes ownership of the descriptor, so Python must not close it.
     return dist.TCPStore(
@@ -170,8 +173,54 @@ def endpoint_store(
         except (RuntimeError, ValueError):  # the port is taken: another launcher hosts it
             if is_host:
                 raise
-    _reach(host, port, deadline or time.monotonic() + timeout.total_seconds(), report)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, multi_tenant=True), False
+    until = deadline or time.monotonic() + timeout.total_seconds()
+    _reach(host, port, until, report)
+    return _connect(host, port, timeout, until, report), False
+
+
+def _connect(host: str, port: int, timeout: timedelta, deadline: float,
+             report: Meeting | None) -> dist.TCPStore:
+    """torch's store client at ``host:port``, or an error by ``deadline``.
+
+    The port answers (see :func:`_reach`), but what listens there may be another program (a web
+    server, a stale process): torch's client then waits for its handshake forever, whatever its
+    timeout. So it is made in a thread, and this one gives up at the deadline, saying so.
+    """
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                          multi_tenant=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            made["error"] = exc
+
+    thread = threading.Thread(target=make, name="lockstep-rendezvous-connect", daemon=True)
+    thread.start()
+    start = time.monotonic()
+    next_line = start + (report.interval if report else float("inf"))
+    while thread.is_alive():
+        thread.join(0.2)
+        now = time.monotonic()
+        if not thread.is_alive():
+            break
+        if now >= deadline:
+            raise RendezvousConnectionError(
+                f"{host}:{port} accepts connections, but no rendezvous store answered there for "
+                f"{now - start:.0f} s: another program holds port {port} (a web server, a "
+                "process of an earlier job?). Stop it, or give every machine another port in "
+                "--rdzv-endpoint."
+            )
+        if report is not None and now >= next_line:
+            report.say(
+                f"waiting for the rendezvous at {host}:{port} (job {report.run_id}): the port "
+                f"answers but no rendezvous store replies after {now - start:.0f} s; giving up "
+                f"at {report.join_timeout:.0f} s. Is another program holding port {port}?"
+            )
+            next_line = now + report.interval
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
 
 
 def _is_ip(host: str) -> bool:
