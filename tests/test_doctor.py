@@ -423,3 +423,39 @@ def test_compile_no_sync_gathers_and_the_context_manager(tmp_path):
         assert r["profile_steps"] == 4 and r["profiling_after"] is None
     written = json.loads((tmp_path / "profile.json").read_text())
     assert written["world_size"] == 2 and written["steps"] + written["steps_left_out"] == 3
+
+
+def test_torch_ddp_exposure_is_charged_to_the_bucket_that_held_the_wait():
+    """Under torch's DDP the observer learns only when backward's wait ended (every bucket at
+    once); the reducer waits for the buckets in index order, so each bucket's wait ends when it
+    and those before it completed. Bucket 0 done as backward's compute ended, bucket 1 done
+    30 ms later: the exposure is bucket 1's (it was all charged to bucket 0)."""
+    from lockstep.doctor.profile_file import bucket_stats
+    from lockstep.doctor.recorder import Recorder
+
+    param = nn.Parameter(torch.ones(3))
+    rec = Recorder(torch.device("cpu"), [param], warmup=0)
+    opt = torch.optim.SGD([param], lr=0.1)
+    try:
+        for _ in range(2):
+            rec.forward_started()
+            loss = (param * 2).sum()
+            rec.forward_ended()
+            rec.backward_started()
+            loss.backward()
+            rec.bucket_ready(0)
+            rec.bucket_launched(0)
+            rec.bucket_ready(1)
+            rec.bucket_launched(1)
+            rec.backward_compute_ended()
+            rec.bucket_done(0)
+            time.sleep(0.03)
+            rec.bucket_done(1)
+            rec.buckets_waited()
+            rec.backward_ended()
+            opt.step()
+        stats = {b["index"]: b["exposed"] for b in bucket_stats([rec.payload()])}
+        assert stats[1] >= 0.025, stats
+        assert stats[0] < stats[1] / 5, stats
+    finally:
+        rec.close()

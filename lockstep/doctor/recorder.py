@@ -208,10 +208,21 @@ class Recorder:
         self._bucket_events.setdefault(index, BucketEvents(index)).waited = time.perf_counter()
 
     def buckets_waited(self) -> None:
-        """Every bucket of this backward has been waited for (torch's DDP: backward's end)."""
+        """Every bucket of this backward has been waited for (torch's DDP: backward's end).
+
+        torch's reducer waits for its buckets one after the other, in index order, once the
+        last gradient is computed: the wait passes bucket ``i`` when it and every bucket before
+        it have completed. Each bucket's ``waited`` is that moment (its completion stamp, or a
+        later bucket's before it; never after now: a completion callback may run just after
+        the wait woke), so that the exposure is charged to the bucket that held the wait, not
+        all of it to the first one.
+        """
         now = time.perf_counter()
-        for ev in self._bucket_events.values():
-            ev.waited = now
+        passed = float("-inf")
+        for index in sorted(self._bucket_events):
+            ev = self._bucket_events[index]
+            passed = min(now, max(passed, ev.done if ev.done is not None else now))
+            ev.waited = passed
 
     # ---- optimizer (its step hooks, through OptimizerWatch) ---------------------------------
     def _optimizer_started(self) -> None:
