@@ -29,6 +29,8 @@ __all__ = [
     "loopback_gloo",
     "loopback_interface",
     "parse_env_int",
+    "threads_per_share",
+    "usable_cores",
 ]
 
 LOOPBACK_IFNAME = "lo"  # Linux's name for the loopback interface
@@ -118,6 +120,19 @@ def loopback_interface() -> str | None:
     except OSError:
         return None
     return LOOPBACK_IFNAME if LOOPBACK_IFNAME in names else None
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system tells it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
+def threads_per_share(shares: int) -> int:
+    """Intra-op threads for one of ``shares`` equal shares of the usable cores (at least 1):
+    what ``lockstep run`` gives each worker, with ``shares`` its worker count, or the virtual
+    shard count with ``--virtual-shards``."""
+    return max(1, usable_cores() // max(1, shares))
 
 
 def loopback_gloo(environ: Mapping[str, str]) -> dict[str, str]:

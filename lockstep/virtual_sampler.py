@@ -111,20 +111,32 @@ class VirtualShardSampler(Sampler[list[int]]):
         """
         done = self._pass_skip + (self._yielded if steps is None else steps)
         return {"epoch": self.epoch, "steps": done, "virtual_shards": self.virtual_shards,
-                "shard_size": self.shard_size, "seed": self.seed}
+                "shard_size": self.shard_size, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the saved epoch and step, on any world size that divides ``V``.
 
         Raises:
-            ValueError: the state was saved with another ``virtual_shards``, ``shard_size`` or
-                ``seed`` (a different run).
+            ValueError: the state was saved with another ``virtual_shards``, ``shard_size``,
+                ``seed`` or ``shuffle`` (a different run; states saved before ``shuffle`` was
+                in them are not checked for it), lacks its epoch or steps, or has done more
+                steps than an epoch of this dataset holds (another dataset).
         """
-        for key in ("virtual_shards", "shard_size", "seed"):
+        missing = {"epoch", "steps"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}: pass state_dict()'s output")
+        for key in ("virtual_shards", "shard_size", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's sampler has {key}={state[key]}, this one "
                     f"{key}={getattr(self, key)}: the same run needs the same {key}"
                 )
-        self.epoch, self._skip, self._yielded = int(state["epoch"]), int(state["steps"]), 0
+        steps, per_epoch = int(state["steps"]), len(self.dataset) // self.global_batch
+        if not 0 <= steps <= per_epoch:
+            raise ValueError(
+                f"sampler state says {steps} steps of epoch {state['epoch']} were done, but an "
+                f"epoch of this dataset ({len(self.dataset)} samples, global batches of "
+                f"{self.global_batch}) has {per_epoch}: resume with the dataset it was saved with"
+            )
+        self.epoch, self._skip, self._yielded = int(state["epoch"]), steps, 0
         self._pass_skip = self._skip

@@ -385,3 +385,51 @@ def test_missing_v_says_how_to_give_it(monkeypatch):
     monkeypatch.delenv("LOCKSTEP_VIRTUAL_SHARDS", raising=False)
     with pytest.raises(ValueError, match="lockstep run --virtual-shards V"):
         VirtualShardDDP(nn.Linear(2, 2))
+
+
+def test_a_thread_count_other_world_sizes_would_not_have_is_warned(monkeypatch):
+    """CPU sums' bits depend on the thread count: plain `python` on every core and a worker of
+    `lockstep run --virtual-shards V` (cores // V threads) train different bits. A process
+    whose count differs from that, with no OMP_NUM_THREADS chosen, is warned; one that matches,
+    or where OMP_NUM_THREADS was set, is not."""
+    import warnings
+
+    from lockstep.env import threads_per_share
+
+    want, before = threads_per_share(4), torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(want + 1)
+        with pytest.warns(UserWarning, match=rf"computes on {want + 1} CPU threads.*OMP_NUM_THREADS={want}"):
+            VirtualShardDDP(nn.Linear(2, 2), 4)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(want + 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            VirtualShardDDP(nn.Linear(2, 2), 4)  # chosen by the user
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        torch.set_num_threads(want)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            VirtualShardDDP(nn.Linear(2, 2), 4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sampler_state_of_another_run_is_refused_by_name():
+    """A state saved with shuffle=True into a shuffle=False sampler (a different order), one
+    with more steps done than this dataset's epoch has (a len() below zero followed), and one
+    without its step are refused, each naming what differs."""
+    data = list(range(40))
+    saved = VirtualShardSampler(data, 4, 2, num_replicas=1, rank=0, shuffle=True).state_dict(steps=3)
+    assert saved["shuffle"] is True
+    with pytest.raises(ValueError, match="shuffle=True, this one shuffle=False"):
+        VirtualShardSampler(data, 4, 2, num_replicas=1, rank=0, shuffle=False).load_state_dict(saved)
+    small = VirtualShardSampler(list(range(16)), 4, 2, num_replicas=1, rank=0)
+    with pytest.raises(ValueError, match="3 steps of epoch 0 were done.*has 2"):
+        small.load_state_dict(saved)
+    assert len(small) == 2  # unchanged by the refused state
+    with pytest.raises(ValueError, match=r"lacks \['steps'\]"):
+        small.load_state_dict({"epoch": 0})
+    resumed = VirtualShardSampler(data, 4, 2, num_replicas=2, rank=1, shuffle=True)
+    resumed.load_state_dict(saved)
+    assert len(resumed) == 5 - 3

@@ -16,7 +16,9 @@ floating-point buffers are the tree mean of the shards' results; integer buffers
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -30,6 +32,7 @@ from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_rank
+from lockstep.env import threads_per_share
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardDDP", "shard_seed", "split_shards"]
@@ -146,6 +149,26 @@ def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
     return out
 
 
+def _warn_thread_count(virtual_shards: int) -> None:
+    """Warn where this process's CPU thread count is one that another world size would not
+    have: a CPU sum's bits depend on how many threads split it. ``lockstep run
+    --virtual-shards V`` gives every worker ``cores // V`` threads at every world size; a
+    process started otherwise (plain ``python`` takes every core, torchrun gives 1 thread per
+    worker) computes other bits than a run at another world size. An ``OMP_NUM_THREADS`` the
+    user set is taken as chosen for every run."""
+    want, have = threads_per_share(virtual_shards), torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or have == want:
+        return
+    warnings.warn(
+        f"VirtualShardDDP: this process computes on {have} CPU threads; runs at other world "
+        f"sizes are bitwise equal to it only with the same count in every process, and "
+        f"`lockstep run --virtual-shards {virtual_shards}` gives each worker {want} "
+        f"(cores // virtual_shards). Set OMP_NUM_THREADS={want} for every run (or launch every "
+        "run with `lockstep run --virtual-shards`)",
+        stacklevel=3,
+    )
+
+
 class VirtualShardDDP(nn.Module):
     """Data parallelism whose result is bitwise the same on any world size dividing ``V``.
 
@@ -192,6 +215,8 @@ class VirtualShardDDP(nn.Module):
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.virtual_shards = resolve_virtual_shards(virtual_shards)
         self.shards_per_rank = check_virtual_shards(self.virtual_shards, self.world_size)
+        if any(device.type == "cpu" for _, device in kinds):
+            _warn_thread_count(self.virtual_shards)
         self.seed = seed
         self.current_shard: int | None = None
         if bucket_cap_mb < 0:

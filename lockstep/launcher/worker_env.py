@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
-from lockstep.env import loopback_gloo
+from lockstep.env import loopback_gloo, threads_per_share
 
 __all__ = ["loopback_gloo", "omp_threads"]
 
@@ -21,5 +20,4 @@ def omp_threads(nproc: int, environ: Mapping[str, str], virtual_shards: int | No
     """
     if "OMP_NUM_THREADS" in environ or (nproc < 2 and virtual_shards is None):
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // (virtual_shards or nproc)))}
+    return {"OMP_NUM_THREADS": str(threads_per_share(virtual_shards or nproc))}
