@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 from typing import Any
 
 import pytest
@@ -156,6 +157,47 @@ def test_shards_are_the_parameters_and_world_one_trains_like_plain():
     assert _diff(model, ref) < TOL
     unsharded = TinyGPT().to(torch.float64)
     unsharded.load_state_dict(full_state_dict(model))  # the full state dict loads unsharded
+
+
+class _CheckpointedInside(TinyGPT):
+    """Activation checkpointing inside the units: each block recomputes its MLP, the root its
+    head (the common `checkpoint(self.mlp, x)` in a block's forward)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        for block in self.blocks:
+            block.forward = partial(self._block_forward, block)  # type: ignore[method-assign]
+
+    def _ckpt(self, fn: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=self.reentrant)
+
+    def _block_forward(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = block.qkv(block.ln1(x)).chunk(3, dim=-1)
+        x = x + block.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self._ckpt(lambda h: block.down(F.gelu(block.up(block.ln2(h)))), x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self._ckpt(lambda t: self.head(self.norm(t)), h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_inside_a_unit_trains_like_plain(reentrant):
+    """The recomputation reads the modules' attributes during backward: they show the full
+    parameters until the unit's backward is over, as torch's fully_shard does (they showed the
+    1-D shards: a shape error, or checkpoint's "different metadata" error)."""
+    torch.manual_seed(0)
+    ref = _CheckpointedInside(reentrant).to(torch.float64)
+    torch.manual_seed(0)
+    model = _shard(_CheckpointedInside(reentrant).to(torch.float64))
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
+    _train_both(ref, ref_opt, model, opt, 0, 1, steps=3)
+    assert _diff(model, ref) < TOL
+    assert all(p.dim() == 1 for p in model.parameters())  # the shards again after backward
+    assert _full_bytes(model.blocks[0]) == 0
 
 
 def test_parameters_are_freed_after_forward_and_backward():

@@ -118,6 +118,12 @@ class FSDPUnit:
         # An all-gather in flight: (pending, output, input kept alive until it finishes).
         self._gathering: tuple[collectives.Pending, torch.Tensor, torch.Tensor] | None = None
         self._ready = 0
+        self._task = -1  # the graph task of the backward this unit's gradients come from
+        # A gradient was accumulated by a nested backward (reentrant activation checkpointing
+        # recomputes and differentiates its region in a backward of its own): such a unit's
+        # parameters may be accumulated into more than once per backward, so counting them
+        # cannot tell when the last has come; its reduction waits for the end of backward.
+        self._nested = False
         attach(module, self)
         # copy.deepcopy looks __deepcopy__ up on the instance: refuse with a message instead of
         # copying parameters whose storage the unit frees and swaps (that crashed the process).
@@ -246,8 +252,10 @@ class FSDPUnit:
         if current_graph_task_id() != -1:
             # A forward recomputed during backward (activation checkpointing without early
             # stop runs the whole block again, hooks included): the backward about to run
-            # needs the gathered parameters, which its post-backward frees.
-            self.flat.use_shards()
+            # needs the gathered parameters, which its post-backward frees. While this unit's
+            # backward runs, its modules keep showing them (see _pre_backward).
+            if not self.backward_open:
+                self.flat.use_shards()
         elif self.reshard_after_forward:
             self.reshard()
         else:
@@ -262,16 +270,24 @@ class FSDPUnit:
         if not self.backward_open:
             self.backward_open = True
             self._ready = 0
+            self._task = current_graph_task_id()
+            # The modules show the full parameters until post_backward, as torch's fully_shard
+            # does: activation checkpointing inside the unit (checkpoint(self.mlp, x) in its
+            # forward, or the root checkpointing one of its own layers) recomputes that part
+            # during this backward by reading the modules' attributes, which showed the 1-D
+            # shards here until 2026-11-29 (a shape error, or checkpoint's metadata check).
             self.unshard()
-            self.flat.use_shards()  # the graph holds the full tensors; users see the shards
             assert self.root is not None
             self.root.prefetcher.on_backward(self)
             self.emit("backward-begin")
             self.root.queue_final_callback()
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if current_graph_task_id() != self._task:
+            self._nested = True  # from now on: reduced at the end of backward (finish_backward)
+            return
         self._ready += 1
-        if self.backward_open and self._ready == self._expected:
+        if self.backward_open and not self._nested and self._ready == self._expected:
             self.post_backward()
 
     def post_backward(self) -> None:
