@@ -91,6 +91,34 @@ def _worker(rank: int) -> dict:
     out["bytes_per_step"] = local.counter.bytes_per_step()
     out["param_bytes"] = 4 * diloco.numel()
 
+    # A layer frozen when LocalSGD is built and unfrozen at step 3 (fine-tuning) is merged
+    # from then on: every rank holds the same model after the last merge (it never was).
+    thawed = _net()
+    thawed[0].requires_grad_(False)
+    opt = _sgd(thawed.parameters())
+    local_thawed = LocalSGD(thawed, opt, sync_every=2)
+    for step in range(STEPS):
+        if step == 3:
+            thawed[0].requires_grad_(True)
+        opt.zero_grad()
+        thawed(_batch(rank, step)).square().mean().backward()
+        local_thawed.step()
+    everyone = [torch.empty_like(_flat(thawed)) for _ in range(world)]
+    dist.all_gather(everyone, _flat(thawed))
+    out["thawed_equal"] = all(torch.equal(t, everyone[0]) for t in everyone)
+    out["thawed_moved"] = not torch.equal(thawed[0].weight, _net()[0].weight)
+    # DiLoCo's outer optimizer covers the parameters trainable when it was built: refused.
+    frozen = _net()
+    frozen[0].requires_grad_(False)
+    opt = _sgd(frozen.parameters())
+    outer_local = LocalSGD(frozen, opt, sync_every=2, outer_optimizer=_outer)
+    frozen[0].requires_grad_(True)
+    try:
+        outer_local.step()
+        out["diloco_thawed"] = "accepted"
+    except ValueError as exc:
+        out["diloco_thawed"] = str(exc)
+
     restored = LocalSGD(_net(), _sgd(_net().parameters()), 3, outer_optimizer=_outer)
     restored.load_state_dict(local.state_dict())
     out["restored"] = all(
@@ -108,6 +136,8 @@ def test_local_sgd_at_world_2():
         # One merge of the parameters every 3 steps.
         assert out["bytes_per_step"] == out["param_bytes"] / 3
         assert out["restored"]
+        assert out["thawed_equal"] and out["thawed_moved"]
+        assert "parameter '0.weight' became trainable after LocalSGD was built" in out["diloco_thawed"]
 
 
 @pytest.fixture

@@ -116,7 +116,12 @@ class LocalSGD:
         self.process_group = resolve_group(process_group)
         self.counter = counter if counter is not None else ByteCounter()
         self.local_steps = 0
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._all = list(model.parameters())
+        # Which parameters the next merge averages: those trainable now or at any step since
+        # the last merge (a layer unfrozen during fine-tuning is merged from then on; the
+        # parameters trainable when it was built only were until 2026-11-29, and the ranks'
+        # copies of a layer unfrozen later drifted apart for good).
+        self._trained = [p.requires_grad for p in self._all]
         # Running statistics (BatchNorm) are merged too; integer counters are equal anyway.
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         register = getattr(model, "register_comm_hook", None)
@@ -126,12 +131,35 @@ class LocalSGD:
             self._broadcast_from_first_rank()
         self._anchors: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
+        self._outer_params: list[torch.Tensor] = []
         if outer_optimizer is not None:
-            self._anchors = [p.detach().clone() for p in self._params]
+            self._outer_params = self._params
+            self._anchors = [p.detach().clone() for p in self._outer_params]
             self.outer = outer_optimizer(self._anchors)
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters the next merge takes (see ``_trained``), in the model's order."""
+        return [p for p, trained in zip(self._all, self._trained) if trained]
+
+    def _note_trainable(self) -> None:
+        """Mark the parameters trainable now as trained since the last merge; DiLoCo refuses
+        one its outer optimizer was not built over (called before the step that would train it)."""
+        for i, p in enumerate(self._all):
+            if p.requires_grad and not self._trained[i]:
+                if self.outer is not None:
+                    names = [n for n, q in self.model.named_parameters() if q is p]
+                    raise ValueError(
+                        f"LocalSGD: parameter {names[0] if names else i!r} became trainable after "
+                        "LocalSGD was built with an outer optimizer (DiLoCo), whose anchors and "
+                        "state cover the parameters trainable then only; build LocalSGD (and "
+                        "its outer optimizer) after setting requires_grad"
+                    )
+                self._trained[i] = True
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One inner optimizer step; every ``sync_every``-th one also merges the ranks."""
+        self._note_trainable()
         loss = self.optimizer.step(closure)
         self.local_steps += 1
         if self.local_steps % self.sync_every == 0:
@@ -142,21 +170,24 @@ class LocalSGD:
     @torch.no_grad()
     def sync(self) -> None:
         """Merge the replicas now: average them, or take one outer step on the averaged change."""
+        self._note_trainable()
         if self.outer is None:
             self._average(self._params)
+            # Equal on every rank now: a parameter frozen since is left out of later merges.
+            self._trained = [p.requires_grad for p in self._all]
         else:
             self._outer_step(self.outer)
         self._average(self._buffers)
 
     def _outer_step(self, outer: torch.optim.Optimizer) -> None:
         # The pseudo-gradient is anchor - replica, averaged: the mean change, sign as a gradient.
-        deltas = [anchor - p for anchor, p in zip(self._anchors, self._params)]
+        deltas = [anchor - p for anchor, p in zip(self._anchors, self._outer_params)]
         self._average(deltas)
         for anchor, delta in zip(self._anchors, deltas):
             anchor.grad = delta
         outer.step()
         outer.zero_grad(set_to_none=True)
-        for anchor, p in zip(self._anchors, self._params):
+        for anchor, p in zip(self._anchors, self._outer_params):
             p.copy_(anchor)
 
     def _average(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -210,8 +241,9 @@ class LocalSGD:
         (momentum, Adam's moments): :class:`lockstep.Checkpointer` saves one piece per rank, so
         that a run resumed from any step continues as if it had not stopped.
         """
-        return {**self.state_dict(), "replica": [p.detach() for p in self._params],
-                "buffers": list(self._buffers)}
+        trained = [i for i, flag in enumerate(self._trained) if flag]
+        return {**self.state_dict(), "replica": [self._all[i].detach() for i in trained],
+                "replica_index": trained, "buffers": list(self._buffers)}
 
     @torch.no_grad()
     def load_sharded_state_dict(self, pieces: Sequence[Any]) -> None:
@@ -225,22 +257,29 @@ class LocalSGD:
         world = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
         own = pieces[rank % len(pieces)]
         saved = [own] if len(pieces) == world else [pieces[r] for r in range(len(pieces))]
+        # Pieces written before 2026-11-29 hold the parameters trainable at construction.
+        index = own.get("replica_index", [i for i, p in enumerate(self._all) if p.requires_grad])
         for piece in saved:
-            if len(piece["replica"]) != len(self._params) or len(piece["buffers"]) != len(self._buffers):
+            if (len(piece["replica"]) != len(index) or any(i >= len(self._all) for i in index)
+                    or piece.get("replica_index", index) != index
+                    or len(piece["buffers"]) != len(self._buffers)):
                 raise ValueError(
                     f"the checkpoint's LocalSGD piece holds {len(piece['replica'])} parameters and "
-                    f"{len(piece['buffers'])} buffers, this model has {len(self._params)} trainable "
-                    f"parameters and {len(self._buffers)} floating-point buffers: restore into "
-                    "the same model"
+                    f"{len(piece['buffers'])} buffers, this model has {len(self._all)} parameters "
+                    f"({sum(p.requires_grad for p in self._all)} trainable) and "
+                    f"{len(self._buffers)} floating-point buffers: restore into the same model"
                 )
+        params = [self._all[i] for i in index]
         # One replica: this rank's own. Another world: the mean of the saved replicas.
         replica = [torch.stack([p["replica"][i] for p in saved]).mean(0) if len(saved) > 1
-                   else own["replica"][i] for i in range(len(self._params))]
+                   else own["replica"][i] for i in range(len(params))]
         buffers = [torch.stack([p["buffers"][i] for p in saved]).mean(0) if len(saved) > 1
                    else own["buffers"][i] for i in range(len(self._buffers))]
         self.load_state_dict(own)
-        for tensor, value in zip(self._params + self._buffers, list(replica) + list(buffers)):
+        for tensor, value in zip(params + self._buffers, list(replica) + list(buffers)):
             tensor.copy_(value)
+        for i in index:
+            self._trained[i] = True
 
     def _check_outer(self, state: dict[str, Any]) -> None:
         if (state["outer"] is None) != (self.outer is None):
