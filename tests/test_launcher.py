@@ -446,6 +446,33 @@ def test_output_relay_names_each_worker_by_global_rank(tmp_path):
         pass
 
 
+def test_output_relay_reads_a_new_round_s_file_from_its_start(tmp_path):
+    """A machine joins: the workers restart into a new round with the same restart count, and
+    torch makes attempt_0 again. The old file's last line and all of the new one are shown (the
+    new file was read from the old one's length on: its first lines were lost)."""
+    import shutil
+
+    attempt = tmp_path / "run_1" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    out, err = io.StringIO(), io.StringIO()
+    relay = OutputRelay(str(tmp_path), stdout=out, stderr=err)
+    log = attempt / "0" / "stdout.log"
+    with open(log, "wb") as old:
+        old.write(b"step 0 of the first round, a long line\n")
+        old.flush()
+        relay.poll()
+        old.write(b"its last line\n")
+        old.flush()
+        shutil.rmtree(attempt)  # the new round: torch removes the folder and makes it again
+        (attempt / "0").mkdir(parents=True)
+        log.write_bytes(b"ENV\nstep 0\n")
+        relay.poll()
+    assert out.getvalue() == ("[local0]: step 0 of the first round, a long line\n"
+                              "[local0]: its last line\n[local0]: ENV\n[local0]: step 0\n")
+    with relay:
+        pass
+
+
 # --------------------------------------------------------------------------- real launches
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterable
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from typing_extensions import Self
 
@@ -71,22 +71,43 @@ class PrefixWriter:
 
 
 class _Followed:
-    """One log file being followed: where reading stopped, and its partial UTF-8 bytes."""
+    """One log file being followed: its open handle, and its partial UTF-8 bytes.
+
+    A worker restarted into a new round of the same attempt (a machine joined or left; the
+    restart count does not change) writes a new file under the same path: torch removes the
+    attempt's folder and makes it again. The handle held open keeps the old file readable:
+    its rest is read first, then the new file (told by its inode) from its start. Until
+    2026-11-29 the new file was read from the old one's length on: its first lines were lost.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.offset = 0
+        self._fh: BinaryIO | None = None
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def read_new(self) -> str:
+        text = ""
+        if self._fh is not None:
+            text = self.decoder.decode(self._fh.read())
+            try:
+                replaced = os.stat(self.path).st_ino != os.fstat(self._fh.fileno()).st_ino
+            except OSError:
+                return text  # removed, not made again yet
+            if not replaced:
+                return text
+            self.close()
+            text += self.decoder.decode(b"", final=True)
+            self.decoder.reset()
         try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
+            self._fh = open(self.path, "rb")  # noqa: SIM115 - held across polls, closed by close()
         except OSError:
-            return ""
-        self.offset += len(data)
-        return self.decoder.decode(data)
+            return text
+        return text + self.decoder.decode(self._fh.read())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
 
 class OutputRelay:
@@ -126,6 +147,8 @@ class OutputRelay:
         self._stop.set()
         self._thread.join()
         self.poll()  # whatever the workers wrote last
+        for followed in self._files.values():
+            followed.close()
 
     def _run(self) -> None:
         while not self._stop.wait(_POLL_S):
