@@ -201,6 +201,16 @@ def test_single_machine_plan_stays_on_loopback(tmp_path):
     assert launch.rdzv_backend == rendezvous.LOOPBACK_BACKEND
 
 
+def test_single_machine_keeps_the_rdzv_id_as_torchrun_does():
+    """TORCHELASTIC_RUN_ID is the --rdzv-id on one machine too ("none" by default, as
+    torchrun's); --standalone makes a fresh one (it was a fresh one every launch)."""
+    given = config.plan_from_args(_args("--nproc-per-node", "1", "--rdzv-id", "myjob", str(JOB)), environ={})
+    assert given.run_id == "myjob"
+    assert config.plan_from_args(_args("--nproc-per-node", "1", str(JOB)), environ={}).run_id == "none"
+    standalone = config.plan_from_args(_args("--standalone", "--rdzv-id", "myjob", str(JOB)), environ={})
+    assert standalone.run_id != "myjob" and len(standalone.run_id) == 32
+
+
 def test_multi_machine_plans():
     remote = config.plan_from_args(
         _args(

@@ -244,8 +244,11 @@ def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str
                 f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every "
                 "machine of the job can reach (the first machine's)"
             )
-        # One machine: a fresh job id and a free port, nothing reachable from outside.
-        return LOOPBACK_BACKEND, f"{LOOPBACK_HOST}:0", uuid.uuid4().hex, configs
+        # One machine: a free port, nothing reachable from outside. The job id is the
+        # --rdzv-id given (workers read it as TORCHELASTIC_RUN_ID; a script may name its runs
+        # after it), as torchrun keeps it; --standalone makes a fresh one, as torchrun's does.
+        run_id = uuid.uuid4().hex if args.standalone else args.rdzv_id
+        return LOOPBACK_BACKEND, f"{LOOPBACK_HOST}:0", run_id, configs
     host, port = parse_endpoint(args.rdzv_endpoint)
     if port == 0 and max_nodes > 1:
         raise ValueError(
