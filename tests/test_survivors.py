@@ -130,6 +130,10 @@ def test_a_killed_rank_is_replaced_and_the_result_equals_the_same_schedule(
     assert "changed in place" not in done.stderr, done.stderr[-3000:]
     result = torch.load(out, weights_only=False)
     history = result["history"]
+    # torchrun's variables: the final rank 0 is the second replacement with spares (the kill
+    # of slot 0 came second), the first worker without.
+    assert result["env"] == {"TORCHELASTIC_MAX_RESTARTS": "2",
+                             "TORCHELASTIC_RESTART_COUNT": "2" if spares else "0"}
     # All, the survivors from the killed step on, all again once rejoined; per kill.
     want = [(0, 1, 2), (0, 2), (0, 1, 2)] + ([(1, 2), (0, 1, 2)] if spares else [])
     assert [slots for _, slots in history] == want, history

@@ -162,6 +162,9 @@ class _Job:
             "ROLE_NAME": plan.role,
             "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
             "TORCHELASTIC_RUN_ID": plan.run_id, SURVIVORS_ENV: "1",
+            # As torchrun's workers have them; the count is the replacements this launcher
+            # made so far (a replacement sees its own counted).
+            "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts), "TORCHELASTIC_RESTART_COUNT": "0",
             # This launcher hosts the store and outlives the workers (no waiting for peers'
             # exit records), and names the dead itself: no progress records, so a failed
             # collective raises at once instead of watching heartbeats for seconds.
@@ -197,7 +200,8 @@ class _Job:
         if rank is None:
             env[SPARE_ENV] = "1"
         else:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank - self.first), ROLE_RANK=str(rank))
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank - self.first), ROLE_RANK=str(rank),
+                       TORCHELASTIC_RESTART_COUNT=str(self.restarts))
         if replacement or rank is None:
             env[JOIN_ENV] = "1"
         proc: Worker | None
@@ -231,7 +235,7 @@ class _Job:
         if self.spares:
             spare = self.spares.pop(0)
             self.store.set(spare_key(self.plan.node_rank, spare.pid),
-                           f"{rank},{rank - self.first}")
+                           f"{rank},{rank - self.first},{self.restarts}")
             self.names[spare.pid] = f"[rank{rank}]: "
             self.procs[rank] = spare
             how = f"a warm spare (pid {spare.pid})"

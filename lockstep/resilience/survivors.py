@@ -204,8 +204,10 @@ class Survivors:
         named_as = wait_until(named, float("inf"), "a rank to replace", poll=0.02)
         if named_as == "done":
             raise SystemExit(0)  # the job finished without needing this spare
-        rank, local_rank = named_as.split(",")
+        rank, local_rank, *restarts = named_as.split(",")
         os.environ.update(RANK=rank, LOCAL_RANK=local_rank, ROLE_RANK=rank)
+        if restarts:  # the launcher's replacements so far, this one included
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = restarts[0]
 
     # ---- what the loop sees -------------------------------------------------------------
     @property

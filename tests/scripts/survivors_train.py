@@ -124,7 +124,10 @@ def main() -> None:
                     [p.detach().clone() for p in fresh_net.parameters()])
     if team.rank == 0:
         torch.save({"params": [p.detach().clone() for p in net.parameters()],
-                    "history": team.history, "restored": restored}, args.out)
+                    "history": team.history, "restored": restored,
+                    "env": {k: os.environ.get(k) for k in ("TORCHELASTIC_MAX_RESTARTS",
+                                                           "TORCHELASTIC_RESTART_COUNT")}},
+                   args.out)
     if not args.no_finish:
         team.finish()
 
