@@ -175,3 +175,35 @@ def test_no_fork_starts_new_interpreters_reported_the_same_way(tmp_path) -> None
     assert "forked False" in fresh.stdout and "forked True" not in fresh.stdout
     report = _last_failure(fresh)
     assert "Root cause: rank 1" in report and "exit code 7" in report, report
+
+
+STOPPED = """
+import os, signal, sys, time
+import torch.distributed as dist
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # save and exit on SIGTERM
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+dist.init_process_group("gloo")
+if attempt == "0":
+    if dist.get_rank() == 1:
+        time.sleep(1)
+        raise ValueError("rank 1 fails")
+    time.sleep(60)  # stopped by the agent: its handler exits 0
+dist.destroy_process_group()
+print(f"done {attempt}", flush=True)
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+def test_a_forked_worker_that_exits_0_on_sigterm_ends_at_the_restart(tmp_path) -> None:
+    """A worker whose SIGTERM handler exits 0 (save and exit) is stopped by the agent at the
+    restart: it waited for the agent to collect its result, which a stopping agent never
+    does, until the agent killed it 30 s later."""
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    run = subprocess.run([sys.executable, "-m", "lockstep", "run", "--nproc-per-node", "2",
+                          "--max-restarts", "1", str(script)], check=False, capture_output=True,
+                         text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("done 1") == 2, run.stdout
+    assert "forcefully exiting" not in run.stderr, run.stderr

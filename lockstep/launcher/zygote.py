@@ -168,10 +168,63 @@ def forked_worker(args: list[str]) -> None:
     The agent has set the worker's environment and sent fd 1 and 2 to its log files. A failure
     ends the process with the status an interpreter would give (the agent reports it as a
     failed worker, the error file written by the worker's recorder); a script that ends well
-    returns, and the agent collects the result."""
-    code = _as_interpreter(args)
+    returns, and the agent collects the result.
+
+    A script that ends well *because the agent stopped it* (a SIGTERM handler that saves and
+    exits 0, on a restart or a stop of the job) must not wait for the agent to collect its
+    result: torch's wrapper waits until every worker's result was read, which a stopping agent
+    never does, so it waited the agent's 30 s and was killed. Such a worker hands its result
+    over and ends (a process entry point simply exits 0)."""
+    with _watch_sigterm() as stopped:
+        code = _as_interpreter(args)
     if code:
         os._exit(code)
+    if stopped():
+        # torch's wrapper puts the result (a pipe write) as soon as this returns, then waits:
+        # end the process once that is done.
+        threading.Thread(target=_exit_soon, daemon=True, name="lockstep-stopped").start()
+
+
+_STOPPED_EXIT_S = 1.0  # after the result is handed over: the wrapper puts it at once
+
+
+def _exit_soon() -> None:
+    threading.Event().wait(_STOPPED_EXIT_S)
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def _watch_sigterm() -> Iterator[Any]:
+    """Yield a function telling whether a SIGTERM reached a Python handler of the script's
+    meanwhile: the interpreter writes each caught signal's number to the wakeup fd, whichever
+    handler runs. A script that sets its own wakeup fd (asyncio) is not watched."""
+    import signal
+    import socket
+
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except (ValueError, OSError):  # not the main thread
+        reader.close()
+        writer.close()
+        yield lambda: False
+        return
+    seen: list[bool] = []
+
+    def stopped() -> bool:
+        return bool(seen)
+
+    try:
+        yield stopped
+    finally:
+        current = signal.set_wakeup_fd(previous)
+        if current == writer.fileno():  # still ours: read what it was told
+            with contextlib.suppress(OSError):
+                seen.extend([True] * bytes(reader.recv(4096)).count(signal.SIGTERM))
+        reader.close()
+        writer.close()
 
 
 def _as_interpreter(args: list[str]) -> int:
