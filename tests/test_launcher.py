@@ -336,6 +336,26 @@ def test_root_cause_prefers_the_real_error_over_its_echoes(tmp_path):
     assert errors.exit_code_for(failures[0]) == 1
 
 
+def test_a_machine_whose_workers_only_lost_a_peer_says_the_cause_is_elsewhere(tmp_path):
+    """Two machines: rank 1 raised on machine B; machine A's rank 0 failed on the closed
+    connection. A's report said "Root cause: rank 0 ... exit code 1", naming no host."""
+    echo = _error_file(
+        tmp_path / "r0" / "error.json", "RuntimeError: Connection closed by peer [10.0.0.2]:5",
+        'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+        "    dist.all_reduce(t)\nRuntimeError: Connection closed by peer [10.0.0.2]:5\n",
+        int(time.time()),
+    )
+    err = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=10, exitcode=1,
+                                                          error_file=echo)})
+    failures = errors.failures_from(err)
+    report = errors.format_report(failures, host="machine-a")
+    assert ("Root cause: not on this machine. Rank 0 (local rank 0, pid 10, on machine-a) ended "
+            "with exit code 1 because it lost its connection to a peer") in report, report
+    assert "Connection closed by peer" in report
+    alone = errors.format_report(failures)  # one machine: the rank is named as before
+    assert "Root cause: rank 0 (local rank 0, pid 10) ended with exit code 1." in alone
+
+
 def test_root_cause_of_a_killed_worker_shows_its_last_lines(tmp_path):
     log = tmp_path / "run_x" / "attempt_1" / "3" / "stderr.log"
     log.parent.mkdir(parents=True)

@@ -231,10 +231,15 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) else -1
 
 
+def _lost_a_peer(failure: Failure) -> bool:
+    """Did it fail because a peer went away (not on its own)?"""
+    return bool(_PEER_LOST.search(failure.summary) or _PEER_LOST.search(failure.traceback[-2000:]))
+
+
 def _cause_order(failure: Failure) -> tuple[int, int, int]:
     if failure.blame:
         return (-1, failure.timestamp, failure.rank)
-    if _PEER_LOST.search(failure.summary) or _PEER_LOST.search(failure.traceback[-2000:]):
+    if _lost_a_peer(failure):
         kind = 3  # failed because a peer went away
     elif failure.exitcode == -signal.SIGTERM:
         # Most likely the agent stopping it once another rank had failed; if it had raised
@@ -262,15 +267,29 @@ def exit_code_for(failure: Failure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else (failure.exitcode or 1)
 
 
-def format_report(failures: list[Failure], attempts: int = 1) -> str:
-    """The message printed when the job fails, root cause first."""
+def format_report(failures: list[Failure], attempts: int = 1, host: str | None = None) -> str:
+    """The message printed when the job fails, root cause first.
+
+    ``host``: this machine's name, in a job of several machines. Where every worker here
+    failed only because a peer went away, the root cause is on another machine: the report
+    says so, rather than naming a rank here that only lost its connection.
+    """
     cause = failures[0]
     tries = f" after {attempts} attempts" if attempts > 1 else ""
     lines = [f"lockstep run: the job failed{tries}; every worker was stopped."]
     known = [f"local rank {cause.local_rank}" if cause.local_rank >= 0 else "",
              f"pid {cause.pid}" if cause.pid >= 0 else ""]  # -1: its peers could not say
+    if host:
+        known.append(f"on {host}")
     who = f"rank {cause.rank}" + (f" ({', '.join(k for k in known if k)})" if any(known) else "")
-    if cause.blame:
+    if host and not cause.blame and all(_lost_a_peer(f) for f in failures):
+        lines.append(
+            f"Root cause: not on this machine. {who[0].upper()}{who[1:]} ended with "
+            f"{cause.how()} because it lost its connection to a peer, as every worker here "
+            "that failed did: a worker of another machine failed first, or that machine went "
+            "away. That machine's launcher names the rank that failed."
+        )
+    elif cause.blame:
         by = ", ".join(map(str, cause.blamed_by))
         ended = "" if cause.exitcode == 0 else f"; it then ended with {cause.how()}"
         if cause.exitcode == -signal.SIGTERM:

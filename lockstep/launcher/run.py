@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -104,7 +105,8 @@ def launch(plan: LaunchPlan) -> int:
                     elastic_launch(config, plan.entrypoint)(*plan.args)
         except ChildFailedError as err:
             failures = failures_from(err, log_dir)
-            print(format_report(failures, _attempts(log_dir)), file=sys.stderr, flush=True)
+            host = socket.gethostname() if plan.max_nodes > 1 else None
+            print(format_report(failures, _attempts(log_dir), host), file=sys.stderr, flush=True)
             return exit_code_for(failures[0])
         except SignalException as err:
             name = signal.Signals(err.sigval).name
