@@ -54,6 +54,7 @@ def test_a_silent_machine_is_counted_lost_after_the_timeout_and_a_replacement_re
     assert not first.replacement and not second.replacement
     second.beat({2: 222, 3: 333})
     assert first.check() == {} and first.others_alive()  # machine 2 has not started: not late
+    assert first.never_seen() == [2]  # named in the launcher's waiting lines
     now[0] = 1.9
     assert first.check() == {}  # silent, but not for long enough
     now[0] = 2.1

@@ -111,6 +111,11 @@ class Machines:
         self.store.set(f"loss/{count}", str(node))
         return ranks
 
+    def never_seen(self) -> list[int]:
+        """The other machines whose launcher has not beaten yet (not started, or elsewhere)."""
+        return [node for node in range(self.nnodes) if node != self.node
+                and self._beats.get(node, (0, 0.0))[0] == 0 and not self.is_done(node)]
+
     def others_alive(self) -> bool:
         """Is another machine still beating and not finished (someone to take a worker in)?"""
         return any(node != self.node and node not in self.lost and not self.is_done(node)

@@ -101,6 +101,9 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+_WAITING_LINE_S = 10.0  # how often a launcher says which machines have not started yet
+
+
 def _raise_interrupted(signum: int, _frame: object) -> None:
     raise _Interrupted(signum)
 
@@ -111,9 +114,17 @@ def supervise(plan: LaunchPlan) -> int:
     try:
         job = _Job(plan)
     except dist.DistError as err:  # machine 0's launcher never came up, or is unreachable
-        print(f"lockstep run: could not reach the job's store at {plan.rdzv_endpoint} ({err}): "
-              "start machine 0's launcher there (it hosts the store), or check --rdzv-endpoint",
-              file=sys.stderr)
+        if plan.node_rank == 0 and plan.max_nodes > 1 and "EADDRINUSE" in str(err):
+            print(f"lockstep run: machine 0 cannot host the job's store at {plan.rdzv_endpoint}: "
+                  "the port is taken. Another launcher of this job already hosts it: with "
+                  "--survivors every machine gives its own --node-rank (0 on the first, "
+                  f"{'1' if plan.max_nodes == 2 else f'1 to {plan.max_nodes - 1}'} on the "
+                  "others; none was given here, or 0 twice); or "
+                  "another program holds the port: choose another", file=sys.stderr)
+        else:
+            print(f"lockstep run: could not reach the job's store at {plan.rdzv_endpoint} "
+                  f"({err}): start machine 0's launcher there (it hosts the store), or check "
+                  "--rdzv-endpoint", file=sys.stderr)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         return 1
@@ -176,6 +187,7 @@ class _Job:
         self.spares: list[Worker] = []  # started, imported, waiting for a rank
         self.waiting: set[int] = set()  # pids of replacements not yet seen admitted
         self.restarts = 0
+        self._next_waiting_line = 0.0  # when to say again which machines have not started
         self.spares_failed = False
         self.spare_kills = 0  # spares killed by a signal, each replaced (up to _SPARE_KILLS)
         # Spares are forked from a process that imported torch once, at the start.
@@ -257,7 +269,18 @@ class _Job:
         if self.machines is None:
             return
         self.machines.beat({rank: proc.pid for rank, proc in self.procs.items()})
-        for node, ranks in self.machines.check().items():
+        lost = self.machines.check()
+        missing = self.machines.never_seen()
+        now = time.monotonic()
+        if missing and now >= self._next_waiting_line:
+            if self._next_waiting_line:  # not at the first look: they had a few seconds
+                print(f"lockstep run: waiting for machine(s) {missing} of {self.plan.max_nodes} "
+                      f"to start (job store at {self.plan.rdzv_endpoint}): each machine runs "
+                      "`lockstep run --survivors` with the same --rdzv-endpoint and --nnodes "
+                      f"and its own --node-rank (0 to {self.plan.max_nodes - 1})",
+                      file=sys.stderr, flush=True)
+            self._next_waiting_line = now + _WAITING_LINE_S
+        for node, ranks in lost.items():
             print(f"lockstep run: machine {node} has not been heard from for "
                   f"{self.plan.node_timeout:g} s: counted lost with its ranks "
                   f"{sorted(ranks) or '(none known)'}; the others go on. Start its launcher "
