@@ -33,6 +33,7 @@ from lockstep.fsdp import (
 )
 from lockstep.fsdp.api import mesh_groups
 from lockstep.fsdp.unit import FSDPUnit, get_unit
+from lockstep.shards import is_shard
 
 STEPS = 3
 BATCH = 12  # divisible by worlds 1, 2 and 3
@@ -462,6 +463,20 @@ def _check_clip(rank: int, size: int, out: dict) -> None:
     out["clip_norm"] = abs(norm.item() - ref_norm.item())
     out["clip_clipped"] = ref_norm.item() > 0.1
     out["clip"] = _diff(model, ref)
+    # torch's call form, clip_grad_norm_(model.parameters(), ...) (an AttributeError before),
+    # with a module left unsharded beside the shards: its gradient counts once.
+    ref, model = _model(), _model()
+    lockstep.fully_shard(model.blocks[0])
+    lockstep.fully_shard(model.blocks[1])
+    x, y = _batches(1)[0]
+    _loss(ref, x, y).backward()
+    _loss(model, _mine(x, rank, size), _mine(y, rank, size)).backward()
+    for p in model.parameters():
+        if p.grad is not None and not is_shard(p):
+            dist.all_reduce(p.grad)  # the unsharded root's gradient averaged by hand
+            p.grad.div_(size)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, error_if_nonfinite=True)
+    out["clip_params_norm"] = abs(clip_grad_norm_(model.parameters(), 0.1).item() - ref_norm.item())
 
 
 def _check_mixed_precision(rank: int, size: int, out: dict) -> None:
@@ -596,7 +611,7 @@ def test_equivalence_with_one_process(world):
         last = len(outs) - 1
         assert (f"fully_shard: rank {last} holds different parameters than rank 0: parameter "
                 f"'0.weight' has shape [6, 4], rank 0 has [4, 4]") in out["different_models"]
-        assert out["clip_norm"] < TOL
+        assert out["clip_norm"] < TOL and out["clip_params_norm"] < TOL, out
         # bf16 compute: same roundings as the reference; fp32 sums in another order.
         assert out["mp"] < 1e-4 < out["mp_vs_fp32"], (out["mp"], out["mp_vs_fp32"])
         assert out["mp_shard_dtype"] == "torch.float32" and out["mp_grad_dtype"] == "torch.float32"
@@ -657,3 +672,23 @@ def test_torchs_arguments_are_taken_at_their_defaults_and_refused_otherwise():
         lockstep.fully_shard(_model(), ignored_params={_model().head.weight})
     with pytest.raises(NotImplementedError, match="output_dtype"):
         lockstep.fully_shard(_model(), mp_policy=TorchPolicy(output_dtype=torch.float32))
+
+
+def test_a_shard_pickles_and_copies_without_its_unit():
+    """The shard carries its unit (for clip_grad_norm_ over model.parameters()); a pickle or a
+    copy of the parameter itself must not try to take the unit (modules, groups) along."""
+    import io
+
+    from lockstep.fsdp.registry import owner_of
+
+    model = _shard(_model())
+    param = next(model.parameters())
+    assert owner_of(param) is _unit(model)
+    buffer = io.BytesIO()
+    torch.save(param, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded, param) and owner_of(loaded) is None
+    assert owner_of(copy.deepcopy(param)) is None
+    with pytest.raises(ValueError, match="none of the parameters given is a shard"):
+        clip_grad_norm_(_model().parameters(), 1.0)

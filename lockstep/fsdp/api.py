@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Union
 
 import torch
@@ -15,6 +15,7 @@ from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.methods import attach_torch_methods
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy, as_policy
+from lockstep.fsdp.registry import owner_of
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 __all__ = [
@@ -359,30 +360,73 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         set_requires_gradient_sync(module, True)
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the sharded gradients of ``module`` by their global norm; return that norm.
+def clip_grad_norm_(
+    parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip sharded gradients by their global norm; return that norm.
 
-    ``torch.nn.utils.clip_grad_norm_`` over the shards would see this rank's pieces only; here
-    each rank's partial norm is combined over the shard group first, so every rank scales by the
-    same factor a single process would. Padding contributes zeros.
+    ``parameters``: the sharded model, or its parameters as torch's
+    ``clip_grad_norm_(model.parameters(), ...)`` takes them. ``torch.nn.utils.clip_grad_norm_``
+    over the shards would see this rank's pieces only; here each rank's partial norm is
+    combined over the shard group first, so every rank scales by the same factor a single
+    process would. Padding contributes zeros; parameters that are not shards (a module left
+    unsharded) count once. ``error_if_nonfinite`` and ``foreach`` are torch's.
+
+    Raises:
+        ValueError: no parameter given is a shard of ``fully_shard`` (use torch's), or the
+            shards belong to units sharded over different groups.
+        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
     """
-    units = _units(module)
-    grads = [s.shard.grad for u in units for s in u.flat.trainable if s.shard.grad is not None]
-    device = units[0].flat.device
+    del foreach  # one fused all-reduce either way
+    plain: list[torch.Tensor] = []
+    if isinstance(parameters, nn.Module):
+        units = _units(parameters)
+        grads = [s.shard.grad for u in units for s in u.flat.trainable if s.shard.grad is not None]
+    else:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owners = [owner_of(p) for p in params]
+        units = list({id(u): u for u in owners if u is not None}.values())
+        if not units:
+            raise ValueError(
+                "clip_grad_norm_: none of the parameters given is a shard of lockstep.fully_shard; "
+                "for a model that is not sharded use torch.nn.utils.clip_grad_norm_"
+            )
+        grads = [p.grad for p, u in zip(params, owners) if u is not None and p.grad is not None]
+        plain = [p.grad for p, u in zip(params, owners) if u is None and p.grad is not None]
+        if len({id(u.shard_group) for u in units}) > 1:
+            raise ValueError(
+                "clip_grad_norm_: the parameters belong to units sharded over different groups; "
+                "clip each group's parameters separately"
+            )
+    group, device = units[0].shard_group, units[0].flat.device
     norm_type = float(norm_type)
     if norm_type == float("inf"):
         local = max((g.detach().abs().max() for g in grads), default=torch.tensor(0.0))
         total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
-        collectives.all_reduce(total, units[0].shard_group, op=dist.ReduceOp.MAX,
+        collectives.all_reduce(total, group, op=dist.ReduceOp.MAX,
                                name="clip_grad_norm_ all-reduce (max)")
+        for g in plain:
+            total = torch.maximum(total, g.detach().abs().max().to(total))
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             total += g.detach().double().norm(norm_type) ** norm_type
-        collectives.all_reduce(total, units[0].shard_group, name="clip_grad_norm_ all-reduce")
+        collectives.all_reduce(total, group, name="clip_grad_norm_ all-reduce")
+        for g in plain:  # the same on every rank: counted once, after the sum over shards
+            total += g.detach().double().norm(norm_type).to(total) ** norm_type
         total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads + plain:
         g.mul_(scale.to(g.dtype))
     return total.to(grads[0].dtype if grads else torch.float32)
 

@@ -15,9 +15,26 @@ from lockstep.shards import is_shard, mark_shard  # the mark's home (base layer)
 if TYPE_CHECKING:
     from lockstep.fsdp.unit import FSDPUnit
 
-__all__ = ["attach", "get_unit", "is_shard", "is_sharded", "mark_shard"]
+__all__ = ["attach", "get_unit", "is_shard", "is_sharded", "mark_shard", "owner_of", "set_owner"]
 
 _ATTR = "_lockstep_fsdp_unit"
+_OWNER_ATTR = "_lockstep_fsdp_owner"
+
+
+class _Owner:
+    """The unit a shard belongs to, held on the shard. A copy or a pickle of the shard (a
+    ``torch.save`` of the parameter itself) carries no unit: it is no longer that unit's."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: FSDPUnit | None = None) -> None:
+        self.unit = unit
+
+    def __reduce__(self) -> tuple:
+        return (_Owner, ())
+
+    def __deepcopy__(self, memo: dict) -> _Owner:
+        return _Owner()
 
 
 def attach(module: nn.Module, unit: FSDPUnit) -> None:
@@ -33,3 +50,14 @@ def get_unit(module: nn.Module) -> FSDPUnit | None:
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules is a ``fully_shard`` unit."""
     return any(get_unit(m) is not None for m in model.modules())
+
+
+def set_owner(shard: object, unit: FSDPUnit) -> None:
+    """Record that ``shard`` is a parameter of ``unit`` (its shard group, for global norms)."""
+    setattr(shard, _OWNER_ATTR, _Owner(unit))
+
+
+def owner_of(tensor: object) -> FSDPUnit | None:
+    """The unit whose shard ``tensor`` is (:func:`set_owner`), or ``None``."""
+    owner = getattr(tensor, _OWNER_ATTR, None)
+    return owner.unit if isinstance(owner, _Owner) else None

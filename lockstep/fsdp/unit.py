@@ -29,7 +29,7 @@ from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.prefetch import Prefetcher
-from lockstep.fsdp.registry import attach, get_unit
+from lockstep.fsdp.registry import attach, get_unit, set_owner
 from lockstep.tensors import iter_tensors
 
 __all__ = ["FSDPUnit", "RootState", "get_unit"]  # get_unit re-exported from registry
@@ -125,6 +125,8 @@ class FSDPUnit:
         # cannot tell when the last has come; its reduction waits for the end of backward.
         self._nested = False
         attach(module, self)
+        for slot in flat.slots:
+            set_owner(slot.shard, self)
         # copy.deepcopy looks __deepcopy__ up on the instance: refuse with a message instead of
         # copying parameters whose storage the unit frees and swaps (that crashed the process).
         module.__dict__["__deepcopy__"] = self._refuse_deepcopy
