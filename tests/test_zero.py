@@ -519,6 +519,25 @@ def test_world_of_one_equals_plain_adam_and_its_state_dict(world_of_one):
     assert _state_diff(opt.state_dict(), ref_opt.state_dict()) == 0.0
 
 
+def test_one_cycle_with_momentum_cycles_the_shard_s_betas(world_of_one):
+    """OneCycleLR(cycle_momentum=True) checks the optimizer's defaults for betas or momentum:
+    the wrapped optimizer's show there (torch's ZeRO, holding only the arguments given, is
+    refused; so was lockstep's), and the cycled betas reach the shard's optimizer."""
+    ref, model = _model(), _model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    assert opt.defaults["betas"] == (0.9, 0.999)
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 1)
+                 for o in (ref_opt, opt)]
+    for x, y in _batches(STEPS):
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+        for schedule in schedules:
+            schedule.step()
+    assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"] != (0.9, 0.999)
+    assert _max_diff(model, ref) == 0.0
+
+
 def test_state_dict_hooks_run_as_torch_runs_them(world_of_one):
     opt = lockstep.ZeroRedundancyOptimizer(_model().parameters(), torch.optim.Adam, **_ADAM)
     calls: list[str] = []

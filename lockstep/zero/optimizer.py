@@ -101,6 +101,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._owners, loads = partition_groups(self._group_sizes(), self.world_size)
         self.optim = optimizer_class(self._local_groups(), **defaults)
         self.state = self.optim.state  # the shard's state: what this rank really holds
+        # The local optimizer's defaults for what was not given (betas, momentum...): a
+        # scheduler that checks them, as OneCycleLR(cycle_momentum=True) does, finds them
+        # (torch's ZeRO holds only the arguments given, and both refused it until 2026-11-29).
+        self.defaults = {**self.optim.defaults, **self.defaults}
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._build_buckets()
         if reduce_gradients:
