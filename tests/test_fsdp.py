@@ -148,7 +148,11 @@ def test_shards_are_the_parameters_and_world_one_trains_like_plain():
     _shard(model)
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in ref.named_parameters()]  # same names, tie kept once
-    assert all(p.dim() == 1 for p in model.parameters())
+    # Each shard keeps its parameter's number of dimensions (its elements in the last), as
+    # torch's DTensor shards do: optimizer groups split by p.dim() (nanoGPT's weight decay,
+    # timm's) split the sharded model as the plain one (every shard was 1-D until 2026-11-29).
+    assert [p.dim() for p in model.parameters()] == [p.dim() for p in ref.parameters()]
+    assert all(p.shape[:-1] == (1,) * (p.dim() - 1) for p in model.parameters())
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
     for x, y in _batches(2):
         for m, o in ((ref, ref_opt), (model, opt)):
@@ -197,7 +201,7 @@ def test_activation_checkpointing_inside_a_unit_trains_like_plain(reentrant):
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), **ADAMW), torch.optim.AdamW(model.parameters(), **ADAMW)
     _train_both(ref, ref_opt, model, opt, 0, 1, steps=3)
     assert _diff(model, ref) < TOL
-    assert all(p.dim() == 1 for p in model.parameters())  # the shards again after backward
+    assert all(p.shape[:-1] == (1,) * (p.dim() - 1) for p in model.parameters())  # shards again
     assert _full_bytes(model.blocks[0]) == 0
 
 
@@ -295,7 +299,8 @@ def test_unshard_and_reshard_are_public_and_not_recursive():
     assert {n: p.shape for n, p in block.named_parameters()} == shapes
     assert _full_bytes(block) > 0 and _full_bytes(model.blocks[1]) == 0 and _full_bytes(model) == 0
     lockstep.fsdp.reshard(block)
-    assert all(p.dim() == 1 for p in block.parameters()) and _full_bytes(block) == 0
+    assert all(p.shape[:-1] == (1,) * (p.dim() - 1) for p in block.parameters())
+    assert _full_bytes(block) == 0
     handle = lockstep.fsdp.unshard(block, async_op=True)
     assert isinstance(handle, lockstep.fsdp.UnshardHandle)
     handle.wait()
@@ -692,3 +697,20 @@ def test_a_shard_pickles_and_copies_without_its_unit():
     assert owner_of(copy.deepcopy(param)) is None
     with pytest.raises(ValueError, match="none of the parameters given is a shard"):
         clip_grad_norm_(_model().parameters(), 1.0)
+
+
+def test_optimizer_groups_by_dimension_split_the_sharded_model_as_the_plain_one():
+    """nanoGPT gives weight decay to p.dim() >= 2 only (timm: none to p.ndim <= 1). The shards
+    keep their parameters' dimensions, so the same groups form and the run equals the plain
+    one (with 1-D shards every parameter fell in the no-decay group, silently)."""
+
+    def groups(model: nn.Module) -> list[dict]:
+        params = list(model.parameters())
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.5},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    ref, model = _model(), _shard(_model())
+    assert [len(g["params"]) for g in groups(model)] == [len(g["params"]) for g in groups(ref)]
+    ref_opt, opt = torch.optim.AdamW(groups(ref), lr=0.01), torch.optim.AdamW(groups(model), lr=0.01)
+    _train_both(ref, ref_opt, model, opt, 0, 1, steps=3)
+    assert _diff(model, ref) < TOL

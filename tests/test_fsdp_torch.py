@@ -76,7 +76,7 @@ def test_gradient_scaling_needs_the_sharded_scaler_as_torchs_fully_shard_does_no
     (plain0, sharded0), (plain1, sharded1) = lockstep.spawn(_scaler_skips_together, 2, timeout=90)
     assert plain0[0] != plain1[0]  # the documented difference
     assert sharded0[0] == sharded1[0] == 2.0 ** 119
-    assert torch.equal(sharded0[1], torch.ones(4)) and torch.equal(sharded1[1], torch.ones(4))
+    assert torch.equal(sharded0[1], torch.ones(1, 4)) and torch.equal(sharded1[1], torch.ones(1, 4))
 
 
 def test_torchs_sharded_state_dict_is_named_not_loaded():

@@ -24,7 +24,16 @@ from torch import nn
 from lockstep.fsdp import collectives
 from lockstep.fsdp.registry import mark_shard
 
-__all__ = ["FlatShard", "ParamSlot"]
+__all__ = ["FlatShard", "ParamSlot", "shard_shape"]
+
+
+def shard_shape(ndim: int, chunk: int) -> tuple[int, ...]:
+    """The shape of a shard of ``chunk`` elements of an ``ndim``-dimensional parameter: its
+    elements in the last dimension, ones before it, so that ``p.dim()`` is the parameter's (a
+    matrix's shard is 2-D, a bias's 1-D), as with torch's ``DTensor`` shards. Optimizer groups
+    built by dimension (``p.dim() >= 2`` gets weight decay in nanoGPT, ``p.ndim <= 1`` none in
+    timm) then split a sharded model as they split the plain one."""
+    return (1,) * (ndim - 1) + (chunk,) if ndim > 1 else (chunk,)
 
 
 @dataclass
@@ -63,7 +72,7 @@ class FlatShard:
             numel = param.numel()
             chunk = math.ceil(numel / size)
             flat = F.pad(param.detach().reshape(-1), (0, chunk * size - numel))
-            shard = nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone(),
+            shard = nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone().view(shard_shape(param.dim(), chunk)),
                                  requires_grad=param.requires_grad)
             mark_shard(shard)  # an optimizer of shards is told from a plain one (checkpoints)
             full = nn.Parameter(torch.empty(param.shape, dtype=compute_dtype, device=param.device),
@@ -151,7 +160,7 @@ class FlatShard:
         """This rank's flat shard in the compute dtype: what it contributes to the all-gather."""
         if not self.slots:
             return torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        return torch.cat([s.shard.detach().to(self.compute_dtype) for s in self.slots])
+        return torch.cat([s.shard.detach().reshape(-1).to(self.compute_dtype) for s in self.slots])
 
     def gather_output(self) -> torch.Tensor:
         return torch.empty(self.size * self.shard_numel, dtype=self.compute_dtype, device=self.device)
@@ -179,7 +188,7 @@ class FlatShard:
             if grad is None:
                 continue
             if slot.unsharded_grad is None:
-                slot.unsharded_grad = grad.detach().to(slot.shard.dtype)
+                slot.unsharded_grad = grad.detach().to(slot.shard.dtype)  # the full shape
             else:
                 slot.unsharded_grad.add_(grad)
             slot.full.grad = None
@@ -230,6 +239,7 @@ class FlatShard:
             if not produced:
                 continue
             piece = reduced[slot.grad_offset : slot.grad_offset + slot.chunk].to(slot.shard.dtype)
+            piece = piece.view(slot.shard.shape)
             if slot.shard.grad is None:
                 slot.shard.grad = piece.clone()
             else:
@@ -241,7 +251,7 @@ class FlatShard:
         """Every parameter's full value in the shards' own dtype, in slot order (a collective)."""
         if not self.slots:
             return []
-        local = torch.cat([s.shard.detach() for s in self.slots])
+        local = torch.cat([s.shard.detach().reshape(-1) for s in self.slots])
         out = local.new_empty(self.size * self.shard_numel)
         collectives.all_gather_into_tensor(out, local, group).wait()
         rows = out.view(self.size, self.shard_numel)

@@ -268,7 +268,7 @@ def _unshard() -> dict:
         module.reshard()
     for module in (ours.blocks[0], ours.blocks[1]):
         lockstep.fsdp.reshard(module)
-    after = [next(iter(ours.blocks[0].parameters())).dim()]
+    after = [tuple(next(iter(ours.blocks[0].parameters())).shape)]
     return {"shapes": shapes, "values": values, "outputs": (outputs[0] - outputs[1]).abs().max().item(),
             "handle": [isinstance(handles[0], torch_fsdp.UnshardHandle),
                        isinstance(handles[1], lockstep.fsdp.UnshardHandle)], "after": after}
@@ -380,7 +380,7 @@ def test_unshard_and_reshard_behave_like_fsdpmodule_methods(world2):
         assert out["shapes"][0] == out["shapes"][1] == [(6, 6), (6,), (6, 6), (6,)]
         assert out["values"] == 0.0 and out["outputs"] < TOL
         assert out["handle"] == [True, True]
-        assert out["after"] == [1]  # resharded: the flat shard again
+        assert out["after"] == [(1, 18)]  # resharded: the shard again (36 elements over 2 ranks)
 
 
 def test_errors_match_torch_or_are_listed_differences(world2):
