@@ -144,13 +144,19 @@ def test_every_rank_raises_root_cause_is_the_exception(tmp_path):
 # ------------------------------------------------------------------ checkpoint disagreements
 
 
-def _different_steps(rank: int, directory: str) -> str:
+def _different_steps(rank: int, directory: str) -> list[str]:
     lockstep.init_distributed()
-    try:
-        Checkpointer(directory, timeout=60).save(5 + rank, model=nn.Linear(2, 2))
-    except CheckpointError as exc:
-        return str(exc)
-    return "saved"
+    out = []
+    model = nn.Linear(2, 2)
+    for step, objects in ((5 + rank, {"model": model}),  # then: rank 1 adds its optimizer
+                          (7, {"model": model, **({"optimizer": torch.optim.SGD(
+                              model.parameters(), lr=0.1)} if rank else {})})):
+        try:
+            Checkpointer(directory, timeout=60).save(step, **objects)
+            out.append("saved")
+        except CheckpointError as exc:
+            out.append(str(exc))
+    return out
 
 
 def _different_directories(rank: int, directory: str) -> str:
@@ -165,8 +171,11 @@ def _different_directories(rank: int, directory: str) -> str:
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_save_with_a_different_step_per_rank_names_them(tmp_path):
-    for message in lockstep.spawn(_different_steps, 2, args=(str(tmp_path),), timeout=100):
-        assert "the ranks passed different steps (rank 0: 5, rank 1: 6)" in message
+    for steps, names in lockstep.spawn(_different_steps, 2, args=(str(tmp_path),), timeout=100):
+        assert "the ranks passed different steps (rank 0: 5, rank 1: 6)" in steps
+        # Different objects: rank 1's optimizer was dropped silently (rank 0's names written).
+        assert ("the ranks passed different objects (rank 0: ['model'], rank 1: ['model', "
+                "'optimizer'])") in names
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 

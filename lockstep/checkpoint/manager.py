@@ -433,13 +433,15 @@ class Checkpointer:
         # the step of the next save.
         finished = (None, None) if busy else self._finish_pending()
         proposal = budget.propose(step) if budget is not None else None
-        seen = self._gather((str(self.directory), step, busy, finished[1], proposal))
-        skip = may_skip and any(flag for _, _, flag, _, _ in seen)
+        names = sorted(objects)
+        seen = self._gather((str(self.directory), step, names, busy, finished[1], proposal))
+        skip = may_skip and any(flag for _, _, _, flag, _, _ in seen)
         self.last_skipped = skip
         if finished[0] is not None and skip:
             self._finished = finished  # reported by the next save, wait() or restore()
         try:
-            check_agreement(call, [(where, at) for where, at, *_ in seen])
+            check_agreement(call, [(where, at) for where, at, *_ in seen],
+                            [given for _, _, given, *_ in seen])
         except CheckpointError:
             if finished[0] is not None:
                 self._finished = finished  # the previous save's outcome is not lost

@@ -111,11 +111,13 @@ def _refuse_other_directories(
         )
 
 
-def check_agreement(call: str, seen: list[tuple[str, int | None]]) -> None:
-    """Raise if the ranks' ``(directory, step)`` differ; ``seen`` is indexed by rank.
+def check_agreement(call: str, seen: list[tuple[str, int | None]],
+                    names: list[list[str]] | None = None) -> None:
+    """Raise if the ranks' ``(directory, step)`` differ, or the names of the objects they
+    passed (``names``, a save's); both are indexed by rank.
 
     Raises:
-        CheckpointError: naming each rank's directory, or each rank's step.
+        CheckpointError: naming each rank's directory, step or objects.
     """
     directories = {rank: where for rank, (where, _) in enumerate(seen)}
     if len(set(directories.values())) > 1:
@@ -130,4 +132,10 @@ def check_agreement(call: str, seen: list[tuple[str, int | None]]) -> None:
         raise CheckpointError(
             f"Checkpointer.{call}: the ranks passed different steps ({listed}). Pass the "
             "same step on every rank (e.g. the global step, not a per-rank counter)."
+        )
+    if names is not None and any(given != names[0] for given in names):
+        listed = ", ".join(f"rank {r}: {given}" for r, given in enumerate(names))
+        raise CheckpointError(
+            f"Checkpointer.{call}: the ranks passed different objects ({listed}). Pass the "
+            "same names on every rank (rank 0's alone would be written, the others' lost)."
         )
