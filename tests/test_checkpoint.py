@@ -682,3 +682,21 @@ def test_keep_counts_only_intact_checkpoints(tmp_path):
         ckpt.save(4, model=model, blocking=True)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "step_000000000002", "step_000000000004"]
+
+
+def test_a_save_below_a_kept_higher_step_is_warned(tmp_path):
+    """A counter reset saves step 5 beside a kept step 30: restore() takes step 30 (the highest),
+    not the newest written. The save says so (it was silent), naming the higher step; with
+    keep=1 the higher step is gone and nothing is said."""
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        ckpt.save(step, model=model, blocking=True)
+    with pytest.warns(UserWarning, match=r"step_000000000005 was just written, but 1 kept "
+                                         r"checkpoint\(s\) have a higher step \(step_000000000030\)"):
+        ckpt.save(5, model=model, blocking=True)
+    assert ckpt.latest().name == "step_000000000030"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path, keep=1).save(4, model=model, blocking=True)
+    assert Checkpointer(tmp_path).latest().name == "step_000000000004"

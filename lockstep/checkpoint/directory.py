@@ -83,6 +83,8 @@ def prune(directory: Path, newest: Path, keep: int, is_intact: Callable[[Path], 
     kept: they are moved aside with a warning naming them.
     """
     kept = 1
+    higher: list[Path] = []  # kept checkpoints of a higher step than the one just written
+    written = _NAME.match(newest.name)
     for path in complete_dirs(directory):
         if path == newest:
             continue
@@ -90,8 +92,21 @@ def prune(directory: Path, newest: Path, keep: int, is_intact: Callable[[Path], 
             shutil.rmtree(path, ignore_errors=True)
         elif is_intact(path):
             kept += 1
+            found = _NAME.match(path.name)
+            if written and found and int(found.group(1)) > int(written.group(1)):
+                higher.append(path)
         else:
             _set_aside(directory, path)
+    if higher:
+        message = (
+            f"checkpoint {newest.name} was just written, but {len(higher)} kept checkpoint(s) "
+            f"have a higher step ({', '.join(p.name for p in higher)}): restore() and latest() "
+            f"take the highest step, {higher[0].name}, not the newest written. When a run "
+            "counts its steps again from a lower number, save into a new directory (or "
+            "delete the higher steps)."
+        )
+        warnings.warn(message, stacklevel=4)
+        logger.warning(message)
 
 
 def _set_aside(directory: Path, path: Path) -> None:
