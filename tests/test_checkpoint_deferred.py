@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import subprocess
 import sys
 import textwrap
@@ -395,3 +396,29 @@ def test_world_of_two_a_change_on_rank_0_fails_the_save_on_both(tmp_path):
         assert result["latest"].endswith("step_000000000003"), result
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("result", ".lockstep-alive")))
     assert names == ["step_000000000001", "step_000000000003"]
+
+
+def test_a_save_that_fails_after_its_saving_thread_ended_is_logged(tmp_path, monkeypatch, caplog):
+    """The script changed a parameter in place after save() and ended: nobody will call the
+    next save() or wait() that raises the error, so the writing thread logs it (it was
+    silent; a SIGTERM's wait already said it)."""
+    monkeypatch.setattr(ckpt_deferred, "_POLL_S", 0.001)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path)
+
+    def save_then_change() -> None:
+        ckpt.save(1, model=model, optimizer=optimizer)
+        with torch.no_grad():
+            next(model.parameters()).mul_(0.5)
+
+    saver = threading.Thread(target=save_then_change)
+    with caplog.at_level(logging.WARNING, logger="lockstep.checkpoint.background"):
+        saver.start()
+        saver.join()
+        pending = ckpt._pending
+        assert pending is not None
+        pending._thread.join(30)
+    assert "step_000000000001 was not saved (the program ended before its write finished)" in caplog.text
+    assert "changed in place" in caplog.text
+    assert not (tmp_path / "step_000000000001").exists()

@@ -123,6 +123,7 @@ class BackgroundSave:
         self._timeout = timeout
         # For rank 0's wait for the other ranks: counted from its own check (see _run).
         self._deadline = float("inf")
+        self._saver = threading.current_thread()  # the thread that saved: it raises our error
         self._thread = threading.Thread(
             target=self._run, name=f"lockstep-checkpoint-{final.name}", daemon=False
         )
@@ -173,6 +174,7 @@ class BackgroundSave:
             self._leave_marker(error)
             if error:
                 self.error = f"rank {self.rank}: {error}"
+                self._tell_if_orphaned()
             return
         if error:
             self.error = f"rank 0: {error}"
@@ -185,6 +187,14 @@ class BackgroundSave:
             shutil.rmtree(self.staging, ignore_errors=True)
         else:
             logger.info("saved checkpoint %s", self.final)
+        self._tell_if_orphaned()
+
+    def _tell_if_orphaned(self) -> None:
+        """Say an error nobody will raise: the thread that saved has ended (the script
+        returned right after ``save()``), as a SIGTERM's wait says it (it was silent)."""
+        if self.error is not None and not self._saver.is_alive():
+            logger.warning("checkpoint %s was not saved (the program ended before its write "
+                           "finished): %s", self.final, self.error)
 
     def _leave_marker(self, error: str | None) -> None:
         name = _marker(_FAILED, self.rank) if error else _marker(_WRITTEN, self.rank)
