@@ -5,8 +5,8 @@ outside the optimizer fails the save instead of being written."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import subprocess
 import sys
 import textwrap
