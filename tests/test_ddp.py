@@ -8,6 +8,7 @@ Scenarios are batched into one spawned world per world size to keep the suite fa
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
@@ -454,6 +455,34 @@ def test_state_dict_has_no_prefix_and_loads_torch_checkpoints(world1):
     torch_style = {f"module.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(torch_style)
     assert all(float(v.abs().sum()) == 0 for v in model.state_dict().values())
+
+
+def test_a_holder_of_the_wrapper_loads_its_own_state_dict_with_torchs_keys(world1):
+    """A container holding the wrapper, torch.compile's wrapper and AveragedModel get torch's
+    keys for it (`ddp.module.0.weight`) and load their own state dict back (the keys lacked
+    `module.` and the load failed on missing keys); torch's positional form too."""
+    holder = nn.Sequential()
+    holder.add_module("ddp", lockstep.DistributedDataParallel(_mlp()))
+    torch_holder = nn.Sequential()
+    torch_holder.add_module("ddp", nn.parallel.DistributedDataParallel(_mlp()))
+    assert list(holder.state_dict()) == list(torch_holder.state_dict())
+    holder.load_state_dict(holder.state_dict())
+    averaged = torch.optim.swa_utils.AveragedModel(holder.ddp)
+    averaged.load_state_dict(averaged.state_dict())
+    with pytest.warns(FutureWarning):
+        positional = holder.ddp.state_dict(collections.OrderedDict(), "ckpt.")
+    assert list(positional) == [f"ckpt.{k}" for k in torch_holder.ddp.state_dict()]
+    assert set(holder.ddp.state_dict()) == set(holder.ddp.module.state_dict())  # unchanged
+
+
+def test_a_wrapped_module_is_refused(world1):
+    """DDP of a DDP: with gradient views (lockstep's default) the two reducers gave wrong
+    gradients that changed from run to run; refused at construction, naming the submodule."""
+    with pytest.raises(TypeError, match="the module is already a DistributedDataParallel"):
+        lockstep.DistributedDataParallel(lockstep.DistributedDataParallel(_mlp()))
+    inner = nn.Sequential(nn.parallel.DistributedDataParallel(_mlp()))
+    with pytest.raises(TypeError, match="its submodule '0' is already a DistributedDataParallel"):
+        lockstep.DistributedDataParallel(inner)
 
 
 def test_step_timing_at_world_one(world1):

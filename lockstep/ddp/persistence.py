@@ -66,7 +66,16 @@ class PersistentDDP(nn.Module):
 
         ``state_dict(prefix="module.")`` gives torch DDP's keys instead (for a checkpoint that
         torch's DDP ``load_state_dict`` must read).
+
+        Called by a module that holds this one (a container, ``torch.compile``'s wrapper,
+        ``AveragedModel``: they pass their ``destination`` and a prefix), or with torch's old
+        positional arguments, it gives torch's keys (``module.`` included): the holder's
+        ``load_state_dict`` walks the submodules, ``module`` among them, and could not load
+        its own state dict back without it (until 2026-11-29).
         """
+        if args or (destination is not None and prefix):
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

@@ -51,6 +51,19 @@ from lockstep.tensors import move_to
 
 __all__ = ["DistributedDataParallel"]
 
+def _check_not_wrapped(module: nn.Module) -> None:
+    """Refuse a module that holds a DDP already: two reducers averaging the same gradients,
+    with gradient views (lockstep's default), gave wrong gradients that changed from run to
+    run (torch's DDP raises at the first backward there; without views both average twice)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            where = f"its submodule '{name}'" if name else "the module"
+            raise TypeError(
+                f"DistributedDataParallel: {where} is already a {type(sub).__name__}; wrap the "
+                "plain model once (DistributedDataParallel(model), not of a wrapped one)"
+            )
+
+
 class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
     """Data parallelism across processes: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
@@ -142,6 +155,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         super().__init__()
         Joinable.__init__(self)
         arguments.check_module(module)
+        _check_not_wrapped(module)
         self._bucket_cap_bytes = arguments.bucket_cap_bytes(bucket_cap_mb, bucket_cap_mb_list)
         self._reduce_dtype = arguments.check_mixed_precision(mixed_precision)
         self.reduce_dtype = arguments.check_reduce_dtype(reduce_dtype, self._reduce_dtype)
