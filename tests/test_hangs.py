@@ -163,6 +163,14 @@ def _stop_in_training(rank: int, world: int, mode: str, culprit: int, directory:
                 if rank == culprit and step == 3:
                     if mode == "leave":
                         return out  # uneven data: exits with 0 while the others go on
+                    if mode == "raise":  # an error of its own, the group shut in a finally:
+                        try:
+                            try:
+                                raise ValueError("bad batch at step 3")
+                            finally:
+                                lockstep.shutdown_distributed()
+                        except ValueError:
+                            return out
                     if mode == "join":
                         wait_for_files(others)  # stuck before its forward, inside join()
                         raise _Stopped
@@ -220,6 +228,18 @@ def test_rank_leaving_the_loop_early_is_named(tmp_path, world):
         ) in out["error"], out
         assert "left the training loop early" in out["error"]
         assert out["elapsed"] < NAMED_WITHIN_S, out
+
+
+@pytest.mark.multirank
+def test_rank_that_raised_is_named_as_failed_not_as_leaving_early(tmp_path):
+    """The waiting rank said the culprit "left the training loop early (uneven data?)" when
+    it had raised an error of its own; its record now says so, with the error."""
+    results = lockstep.spawn(_stop_in_training, 2, (2, "raise", 1, str(tmp_path)), timeout=120)
+    out = results[0]
+    assert out["missing"] == [1], out
+    assert (f"rank 1 on {HOST} failed with an error of its own at step 2, phase 'after backward "
+            "(optimizer step, data loading, next forward)'") in out["error"], out
+    assert "(ValueError: bad batch at step 3)" in out["error"] and "uneven data" not in out["error"]
 
 
 @pytest.mark.slow

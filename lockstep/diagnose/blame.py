@@ -53,8 +53,8 @@ def observe_peers(
 def _state(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
     if after is None:
         return "silent"
-    if after.get("state") == "exited":
-        return "exited"
+    if after.get("state") in ("exited", "raised"):
+        return str(after["state"])
     if before is not None and after.get("beat", 0) > before.get("beat", 0):
         return "stuck"
     return "gone"

@@ -81,7 +81,7 @@ class Culprit:
         self, rank: int, state: str, record: dict[str, Any] | None, group_key: str = ""
     ) -> None:
         self.rank = rank
-        self.state = state  # "stuck", "gone", "exited", "late" or "silent" (never published)
+        self.state = state  # "stuck", "gone", "exited", "raised", "late" or "silent" (never published)
         self.record = record or {}
         self.group_key = group_key
 
@@ -106,6 +106,10 @@ class Culprit:
             return (f"{who} arrived only after this rank gave up: it was still at {self.where()} "
                     "when the timeout expired. It is slow, not stuck: find what delays it, or "
                     "raise the timeout (lockstep.init_distributed(timeout=...))")
+        if self.state == "raised":
+            return (f"{who} failed with an error of its own at {self.where()} "
+                    f"({self.record.get('error') or 'see its traceback'}): its peers waited for "
+                    "it in vain")
         if self.state == "exited":
             return (f"{who} exited while its peers still needed it, at {self.where()}: it left "
                     "the training loop early (uneven data? DistributedSampler(drop_last=True) "
@@ -219,7 +223,7 @@ def _find_culprits(
             culprits.append(culprit)
         elif rank in behind and states[rank] == "stuck":
             late.append(Culprit(rank, "late", first[rank], progress.key))
-        elif states[rank] in ("gone", "exited"):
+        elif states[rank] in ("gone", "exited", "raised"):
             gone_but_arrived.append(culprit)
     # A peer that arrived after the timeout is slow, not stuck; one that entered and then left
     # is to blame only if nobody is behind (peers that time out like this one exit too).

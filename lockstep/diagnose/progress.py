@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +53,8 @@ _STORE_TIMEOUT = timedelta(seconds=10)
 # One tracker per default process group; weak, so a destroyed group takes its tracker along.
 _TRACKERS: weakref.WeakKeyDictionary[Any, ProgressTracker] = weakref.WeakKeyDictionary()
 _TRACKERS_LOCK = threading.Lock()
+# lockstep's errors that name another rank as the cause: a rank raising one did not fail on its own.
+_NAMING_ERRORS = frozenset({"CollectiveTimeoutError", "CollectiveMismatchError"})
 
 
 def default_store() -> Any:
@@ -131,6 +134,7 @@ class ProgressTracker:
         self._store = store
         self._beat = 0
         self._state = "running"
+        self.error: str | None = None  # the uncaught error that ends this process, if any
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one writer to the store at a time
         try:
@@ -149,7 +153,25 @@ class ProgressTracker:
         from lockstep.diagnose.abort_guard import AbortGuard  # late: abort_guard reads these records
 
         self._abort_guard = AbortGuard.install(self)
+        # An uncaught error ends the process: its record says so (not that it left the loop
+        # early, which is what "exited" alone told the peers that waited for it).
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._note_uncaught
         atexit.register(self.close)
+
+    def _note_uncaught(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        self.note_error(value)
+        self._excepthook(kind, value, tb)
+
+    def note_error(self, exc: BaseException | None) -> None:
+        """The error that ends this process (its record then says ``raised``, with its first
+        line). Not an interruption, nor lockstep's own naming of another rank."""
+        if exc is None or self.error is not None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        if type(exc).__name__ in _NAMING_ERRORS:
+            return
+        first = str(exc).strip().splitlines()
+        self.error = f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
 
     # ---- hot path: memory only -------------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -188,6 +210,7 @@ class ProgressTracker:
             "counts": dict(self.counts),
             "beat": self._beat,
             "state": self._state,
+            **({"error": self.error[:300]} if self.error else {}),
         }
 
     def publish_now(self) -> None:
@@ -217,7 +240,12 @@ class ProgressTracker:
         self._stack.remove()
         self._abort_guard.remove()
         self._thread.join(timeout=self.interval)
-        self._state = "exited"
+        if sys.excepthook == self._note_uncaught:
+            sys.excepthook = self._excepthook
+        # Closed while an error propagates (destroy_process_group in a `finally:`, or the
+        # launcher's worker reporting it): the error ends the process.
+        self.note_error(sys.exc_info()[1])
+        self._state = "raised" if self.error else "exited"
         try:
             self._publish()
             if self.hosted_peers:
@@ -230,7 +258,8 @@ class ProgressTracker:
         waiting = set(peers) - {self.rank}
         while waiting and time.monotonic() < deadline:
             records = self.read(sorted(waiting))
-            waiting = {r for r, rec in records.items() if not rec or rec["state"] != "exited"}
+            waiting = {r for r, rec in records.items()
+                       if not rec or rec["state"] not in ("exited", "raised")}
             time.sleep(0.05)
 
     # ---- reading peers ------------------------------------------------------------------------
@@ -241,6 +270,16 @@ class ProgressTracker:
             key = record_key(rank)
             out[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
         return out
+
+
+def note_error(exc: BaseException) -> None:
+    """Record ``exc`` as the error that ends this process in its progress record, if it
+    publishes one (the launcher's worker calls it: it prints the error itself, so Python's
+    ``sys.excepthook`` never sees it)."""
+    with _TRACKERS_LOCK:
+        found = list(_TRACKERS.values())
+    for each in found:
+        each.note_error(exc)
 
 
 def tracker() -> ProgressTracker | None:

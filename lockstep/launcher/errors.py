@@ -218,6 +218,9 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
     if state == "skipped":
         return (f"skipped a collective its peers ran{where}: it had entered {culprit.get('count')} "
                 f"collectives where they had entered {culprit.get('expected')}")
+    if state == "raised" or (state == "exited" and own.exitcode != 0 and _own_error(own)):
+        # it raised an error of its own: it failed, it did not leave the loop early
+        return f"failed{where} with an error of its own while its peers waited for it"
     if state == "exited" or own.exitcode == 0:
         return f"left early: it exited{where} while its peers waited for it"
     if state == "gone":
@@ -225,6 +228,13 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
     if own.summary:  # it raised an error of its own: it failed, it did not hang
         return f"failed{where} with an error of its own while its peers waited for it"
     return f"hung{where}: its peers waited for it in vain"
+
+
+def _own_error(failure: Failure) -> bool:
+    """Did it raise an error of its own (not a lost peer, not a timeout naming another rank)?"""
+    summary = failure.summary
+    return bool(summary) and not _lost_a_peer(failure) and not summary.startswith(
+        ("CollectiveTimeoutError", "CollectiveMismatchError", "CheckpointError"))
 
 
 def _int(value: Any) -> int:

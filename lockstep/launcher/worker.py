@@ -18,6 +18,7 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from lockstep.diagnose import progress
 from lockstep.launcher.errors import trim_traceback
 from lockstep.launcher.output import RANK_FILE
 
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         run_script(argv[0], argv[1:], as_module)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's script is reported
         # Printed here rather than by Python's hook: torch.distributed's hook prefixes each
-        # line with the rank, which the launcher already does.
+        # line with the rank, which the launcher already does. The rank's progress record
+        # says it failed of its own error (peers waiting for it name it so).
+        progress.note_error(exc)
         print(_traceback_of(exc), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
