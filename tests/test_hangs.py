@@ -399,6 +399,9 @@ def test_rank_stuck_outside_ddp_buckets_is_named(tmp_path, mode, op):
     assert out["op"] == op, out
     assert f"rank 1 on {HOST} did not arrive: it is alive but stuck at step" in out["error"], out
     assert out["elapsed"] < NAMED_WITHIN_S, out
+    if mode == "fully_shard":  # fully_shard tells where a step is (it said step 0, 'started')
+        assert ("stuck at step 1, phase 'after backward (optimizer step, data loading, next "
+                "forward)'") in out["error"], out
 
 
 def _stop_a_pipeline_stage(rank: int, culprit: int, directory: str) -> dict:

@@ -62,6 +62,9 @@ class RootState:
             unit.land(reduced)
         self.pending.clear()
         self.prefetcher.end_backward()
+        if self.units:
+            group_progress(self.units[0].shard_group).set_phase(
+                "after backward (optimizer step, data loading, next forward)")
 
 
 def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup | None) -> None:
@@ -241,6 +244,8 @@ class FSDPUnit:
             return self.mp_policy.cast_inputs(args), self.mp_policy.cast_inputs(kwargs)
         if self.is_root:
             self.root.prefetcher.drop()  # gathers from before an optimizer step are stale
+            if torch.is_grad_enabled():  # a training step: where a rank named stuck is
+                group_progress(self.shard_group).begin_step("forward")
         if not self.backward_open:
             self.flat.check_unchanged(type(module).__name__)
             self._follow_trainable()
@@ -251,6 +256,8 @@ class FSDPUnit:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.emit("forward-end")
+        if self.is_root and torch.is_grad_enabled() and current_graph_task_id() == -1:
+            group_progress(self.shard_group).set_phase("after forward, before backward")
         if current_graph_task_id() != -1:
             # A forward recomputed during backward (activation checkpointing without early
             # stop runs the whole block again, hooks included): the backward about to run
@@ -280,6 +287,8 @@ class FSDPUnit:
             # shards here until 2026-11-29 (a shape error, or checkpoint's metadata check).
             self.unshard()
             assert self.root is not None
+            if self.is_root:
+                group_progress(self.shard_group).set_phase("backward")
             self.root.prefetcher.on_backward(self)
             self.emit("backward-begin")
             self.root.queue_final_callback()
