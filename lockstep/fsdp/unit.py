@@ -36,6 +36,18 @@ __all__ = ["FSDPUnit", "RootState", "get_unit"]  # get_unit re-exported from reg
 
 
 
+def _progress(group: dist.ProcessGroup | None, phase: str, new_step: bool = False) -> None:
+    """Tell this rank's progress record where the step is (hang detection names a stuck rank
+    with it); nothing without a process group."""
+    if not dist.is_initialized():
+        return
+    found = group_progress(group)
+    if new_step:
+        found.begin_step(phase)
+    else:
+        found.set_phase(phase)
+
+
 @dataclass
 class RootState:
     """What the units under one root share during a step: the reductions still in flight."""
@@ -63,8 +75,8 @@ class RootState:
         self.pending.clear()
         self.prefetcher.end_backward()
         if self.units:
-            group_progress(self.units[0].shard_group).set_phase(
-                "after backward (optimizer step, data loading, next forward)")
+            _progress(self.units[0].shard_group,
+                      "after backward (optimizer step, data loading, next forward)")
 
 
 def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup | None) -> None:
@@ -245,7 +257,7 @@ class FSDPUnit:
         if self.is_root:
             self.root.prefetcher.drop()  # gathers from before an optimizer step are stale
             if torch.is_grad_enabled():  # a training step: where a rank named stuck is
-                group_progress(self.shard_group).begin_step("forward")
+                _progress(self.shard_group, "forward", new_step=True)
         if not self.backward_open:
             self.flat.check_unchanged(type(module).__name__)
             self._follow_trainable()
@@ -257,7 +269,7 @@ class FSDPUnit:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.emit("forward-end")
         if self.is_root and torch.is_grad_enabled() and current_graph_task_id() == -1:
-            group_progress(self.shard_group).set_phase("after forward, before backward")
+            _progress(self.shard_group, "after forward, before backward")
         if current_graph_task_id() != -1:
             # A forward recomputed during backward (activation checkpointing without early
             # stop runs the whole block again, hooks included): the backward about to run
@@ -288,7 +300,7 @@ class FSDPUnit:
             self.unshard()
             assert self.root is not None
             if self.is_root:
-                group_progress(self.shard_group).set_phase("backward")
+                _progress(self.shard_group, "backward")
             self.root.prefetcher.on_backward(self)
             self.emit("backward-begin")
             self.root.queue_final_callback()
