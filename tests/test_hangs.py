@@ -274,6 +274,8 @@ def test_rank_missing_a_checkpointer_meeting_is_named_with_where_it_is(tmp_path)
     assert "for rank(s) [1], which never called it" in message, message
     assert (f"Where they are: rank 1 on {HOST} did not arrive: it is alive but stuck at step 0, "
             "phase 'started'") in message, message
+    # Its Python stack comes with it, as a collective's timeout gives it (it had none).
+    assert "Python stack of rank 1 (pid" in message and "wait_for_files" in message, message
 
 
 # ---- under lockstep run ---------------------------------------------------------------------------

@@ -272,7 +272,8 @@ def describe_missing(missing: list[int], message: str) -> str:
     except Exception:  # noqa: BLE001 - the store's host may be among the missing
         return message
     culprits = [Culprit(r, states[r], latest[r]) for r in missing]
-    text = f"{message} Where they are: " + "; ".join(c.describe(silent_s) for c in culprits) + "."
+    text = (f"{message} Where they are: " + "; ".join(c.describe(silent_s) for c in culprits)
+            + "." + _stacks_of(culprits))  # the stacks of stuck ones, as a collective's says
     write_blame(found.rank, [c.as_dict() for c in culprits], text)
     return text
 
