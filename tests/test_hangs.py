@@ -444,3 +444,19 @@ def test_stuck_pipeline_stage_is_named_by_its_neighbour(tmp_path, culprit, op):
     assert out["op"] == op, out
     assert f"rank {culprit} on {HOST} did not arrive: it is alive but stuck at step" in out["error"], out
     assert out["elapsed"] < NAMED_WITHIN_S, out
+
+
+def test_a_silent_rank_whose_process_still_runs_here_is_called_frozen():
+    """A rank holding the GIL in native code (or stopped) publishes nothing, like a dead one:
+    it was called "gone" (and got no stack); its process still running here says frozen."""
+    from lockstep.diagnose.hang import Culprit
+
+    here = {"host": socket.gethostname(), "step": 3, "phase": "backward"}
+    frozen = Culprit(1, "gone", {**here, "pid": os.getpid()})
+    assert frozen.frozen_here() and frozen.as_dict()["state"] == "frozen"
+    assert f"rank 1 on {HOST} is frozen: its process (pid {os.getpid()}) still runs" in frozen.describe(3.0)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead = Culprit(1, "gone", {**here, "pid": int(ended.stdout)})
+    assert not dead.frozen_here() and dead.as_dict()["state"] == "gone"
+    assert "is gone: no sign of life for 3.0s" in dead.describe(3.0)

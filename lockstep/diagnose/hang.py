@@ -85,6 +85,17 @@ class Culprit:
         self.record = record or {}
         self.group_key = group_key
 
+    def frozen_here(self) -> bool:
+        """Whether its process still runs on this host (it stopped beating, but lives)."""
+        pid = self.record.get("pid")
+        if self.record.get("host") != socket.gethostname() or not isinstance(pid, int):
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
     def where(self) -> str:
         rec = self.record
         last = ""
@@ -99,6 +110,11 @@ class Culprit:
         if self.state == "stuck":
             return (f"{who} did not arrive: it is alive but stuck at {self.where()} "
                     f"(inspect it: py-spy dump --pid {self.record.get('pid')})")
+        if self.state == "gone" and self.frozen_here():
+            return (f"{who} is frozen: its process (pid {self.record.get('pid')}) still runs on "
+                    f"this host but has given no sign of life for {silent_s:.1f}s (native code "
+                    "holding the GIL, or the process stopped); it was last at "
+                    f"{self.where()}")
         if self.state == "gone":
             return (f"{who} is gone: no sign of life for {silent_s:.1f}s (its process died or "
                     f"froze, or its machine was lost); it was last at {self.where()}")
@@ -119,7 +135,8 @@ class Culprit:
 
     def as_dict(self) -> dict[str, Any]:
         rec = self.record
-        return {"rank": self.rank, "state": self.state, "host": rec.get("host"),
+        state = "frozen" if self.state == "gone" and self.frozen_here() else self.state
+        return {"rank": self.rank, "state": state, "host": rec.get("host"),
                 "pid": rec.get("pid"), "local_rank": rec.get("local_rank"),
                 "step": rec.get("step"), "phase": rec.get("phase"), "last_op": rec.get("last_op")}
 
@@ -180,8 +197,9 @@ def _stacks_of(culprits: list[Culprit]) -> str:
     host, parts = socket.gethostname(), []
     for c in culprits:
         pid = c.record.get("pid")
-        if c.state != "stuck" or not isinstance(pid, int) or c.record.get("host") != host:
-            continue
+        if (c.state != "stuck" and not (c.state == "gone" and c.frozen_here())
+                or not isinstance(pid, int) or c.record.get("host") != host):
+            continue  # (faulthandler's dump needs no GIL: a frozen process answers too)
         stack = request_stack(pid)
         if stack:
             parts.append(f"\nPython stack of rank {c.rank} (pid {pid}), where it is stuck:\n{stack}")

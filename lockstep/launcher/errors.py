@@ -223,6 +223,9 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
         return f"failed{where} with an error of its own while its peers waited for it"
     if state == "exited" or own.exitcode == 0:
         return f"left early: it exited{where} while its peers waited for it"
+    if state == "frozen":
+        return (f"froze{where}: its process still ran but gave no sign of life (native code "
+                "holding the GIL, or the process stopped); its peers waited for it in vain")
     if state == "gone":
         return f"was gone{where}; its peers waited for it in vain"
     if own.summary:  # it raised an error of its own: it failed, it did not hang
