@@ -475,6 +475,16 @@ def test_a_holder_of_the_wrapper_loads_its_own_state_dict_with_torchs_keys(world
     assert set(holder.ddp.state_dict()) == set(holder.ddp.module.state_dict())  # unchanged
 
 
+def test_join_context_can_be_entered_again(world1):
+    """torch's Join made once can be used every epoch; lockstep's join() was a one-shot
+    generator context (the second `with` raised AttributeError)."""
+    model = lockstep.DistributedDataParallel(_mlp())
+    context = model.join()
+    for _ in range(2):
+        with context:
+            model(torch.randn(2, 10)).sum().backward()
+
+
 def test_a_wrapped_module_is_refused(world1):
     """DDP of a DDP: with gradient views (lockstep's default) the two reducers gave wrong
     gradients that changed from run to run; refused at construction, naming the submodule."""

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,6 +25,24 @@ if TYPE_CHECKING:
     from lockstep.ddp.reducer import Reducer
 
 __all__ = ["JoinableDDP"]
+
+
+class _Reusable:
+    """What ``join()`` returns: a context manager that can be entered again (one made once and
+    used every epoch), as torch's ``Join`` can; each ``with`` runs a fresh join."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+        self._make = make
+        self._active: list[contextlib.AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        context = self._make()
+        context.__enter__()
+        self._active.append(context)
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        return self._active.pop().__exit__(kind, value, tb)
 
 
 class JoinableDDP(Joinable):
@@ -85,13 +104,12 @@ class JoinableDDP(Joinable):
         if self._delayed is not None:
             self._delayed.armed = True
 
-    @contextlib.contextmanager
     def join(
         self,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
-    ) -> Iterator[None]:
+    ) -> _Reusable:
         """Train on uneven inputs: a rank that runs out of batches shadows the others.
 
         Wrap the whole training loop. At the end every rank holds the model of the rank that ran
@@ -110,6 +128,12 @@ class JoinableDDP(Joinable):
                 for x, y in loader:          # loaders of different lengths per rank
                     ...
         """
+        return _Reusable(lambda: self._join(divide_by_initial_world_size, enable,
+                                            throw_on_early_termination))
+
+    @contextlib.contextmanager
+    def _join(self, divide_by_initial_world_size: bool, enable: bool,
+              throw_on_early_termination: bool) -> Iterator[None]:
         if not enable or self._reducer is None:
             yield
             return
