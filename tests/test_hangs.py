@@ -81,6 +81,25 @@ def test_blamed_rank_is_the_root_cause_not_the_one_that_waited(tmp_path, monkeyp
     assert (tmp_path / "0" / BLAME_FILE).exists()
 
 
+def test_a_rank_that_skipped_a_checkpointer_call_is_the_root_cause(tmp_path, monkeypatch):
+    """save() on rank 0 only: rank 0 waits in the meeting and names rank 1, rank 1 runs on into
+    the next all-reduce and names rank 0. The tie went to the lowest rank (rank 0, innocent);
+    the meeting's evidence now decides."""
+    waited = _failure(tmp_path, 0, 1, "CheckpointError: rank 0 waited 8s in Checkpointer.save")
+    ran_on = _failure(tmp_path, 1, 1, "CollectiveTimeoutError: rank 1: all-reduce failed")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 1, "state": "stuck", "step": 4, "phase": "backward",
+                     "meeting": "Checkpointer.save(step=4)"}], "rank 0: rank(s) [1] never called it")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", ran_on.error_file)
+    write_blame(1, [{"rank": 0, "state": "stuck", "step": 4, "phase": "after backward"}],
+                "rank 1: rank 0 did not arrive")
+    failures = failures_from(ChildFailedError("job", {0: waited, 1: ran_on}))
+    assert failures[0].rank == 1
+    assert ("Root cause: rank 1 (local rank 1, pid 101) never called Checkpointer.save(step=4), "
+            "which its peers waited in at step 4, phase 'backward' (named by rank(s) 0)"
+            ) in format_report(failures)
+
+
 def test_rank_that_exited_early_is_the_root_cause(tmp_path, monkeypatch):
     waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: bucket failed")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)

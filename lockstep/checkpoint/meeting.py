@@ -64,7 +64,7 @@ def meet(
             f"rank {me} waited {timeout.total_seconds():g}s in "
             f"Checkpointer.{call} for rank(s) {missing}, which never called it. Call save() "
             "and restore() on every rank, not only on rank 0."
-        )))
+        ), meeting=f"Checkpointer.{call}"))
 
 
 def _wait(

@@ -276,11 +276,14 @@ def from_peer(peer: int, op: str, call: Callable[[], Any]) -> Any:
         raise CollectiveTimeoutError(message, op, [peer]) from exc
 
 
-def describe_missing(missing: list[int], message: str) -> str:
+def describe_missing(missing: list[int], message: str, meeting: str = "") -> str:
     """Where ranks that missed a store meeting are (alive and where, exited, gone); blames them.
 
     For meetings through the store rather than a collective (the Checkpointer's): ``missing``
-    are the ranks that never arrived, ``message`` the caller's error, to which this appends.
+    are the ranks that never arrived, ``message`` the caller's error, to which this appends;
+    ``meeting`` names the call they missed (the launcher prefers this evidence: a rank that
+    skipped the call runs on into the next collective and names as stuck the ranks that wait
+    in the meeting, a tie of one vote each otherwise).
     """
     found = tracker()
     if found is None or not missing:
@@ -292,7 +295,7 @@ def describe_missing(missing: list[int], message: str) -> str:
     culprits = [Culprit(r, states[r], latest[r]) for r in missing]
     text = (f"{message} Where they are: " + "; ".join(c.describe(silent_s) for c in culprits)
             + "." + _stacks_of(culprits))  # the stacks of stuck ones, as a collective's says
-    write_blame(found.rank, [c.as_dict() for c in culprits], text)
+    write_blame(found.rank, [{**c.as_dict(), "meeting": meeting} for c in culprits], text)
     return text
 
 

@@ -201,11 +201,17 @@ def failures_from(error: ChildFailedError, log_dir: str | None = None) -> list[F
 
 
 def _most_blamed(verdicts: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The culprit most waiting ranks named (ties: the lowest rank), as one of them described it."""
+    """The culprit most waiting ranks named, as one of them described it.
+
+    Named for missing a meeting (a Checkpointer call) goes first: the rank that skipped it runs
+    on and names, in its next collective, the ranks waiting in the meeting. Then the most
+    votes; ties: the lowest rank.
+    """
     named = [c for v in verdicts.values() for c in v["culprits"] if isinstance(c.get("rank"), int)]
     votes = Counter(c["rank"] for c in named)
-    rank = min(votes, key=lambda r: (-votes[r], r))
-    return next(c for c in named if c["rank"] == rank)
+    missed = Counter(c["rank"] for c in named if c.get("meeting"))
+    rank = min(votes, key=lambda r: (-missed[r], -votes[r], r))
+    return next(c for c in sorted(named, key=lambda c: not c.get("meeting")) if c["rank"] == rank)
 
 
 def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
@@ -213,6 +219,8 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
     if culprit.get("step") is not None:
         where = f" at step {culprit['step']}, phase {culprit.get('phase')!r}"
     state = culprit.get("state")
+    if culprit.get("meeting"):
+        return f"never called {culprit['meeting']}, which its peers waited in{where}"
     if state == "mismatch":
         return "called a different collective than its peers"
     if state == "skipped":
