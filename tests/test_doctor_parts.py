@@ -143,3 +143,37 @@ def test_a_step_of_accumulated_micro_batches_counts_all_their_samples():
     assert views.batch_size == 8
     recorder.close()
     views.close()
+
+
+def _micro_batch(recorder, n: int = 8) -> None:
+    recorder.forward_started((torch.randn(n, 2),))
+    recorder.forward_ended()
+    recorder.backward_started()
+    recorder.backward_ended(synced=True)
+
+
+def test_accumulating_without_no_sync_before_the_first_optimizer_step_is_one_step():
+    """Three synced backwards then the optimizer's step: one step of 24 samples from the very
+    first (it was three steps of 8 until the optimizer had stepped once, so `--steps` stopped a
+    run early and the batch read 8); a script with no torch optimizer still ends a step at each
+    backward."""
+    from lockstep.doctor.recorder import Recorder
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = Recorder(torch.device("cpu"), model.parameters(), warmup=0)
+    for _ in range(2):
+        for _micro in range(3):
+            _micro_batch(recorder)
+        _step(optimizer)
+    assert recorder.step_count == 2 and recorder.batch_size == 24
+    assert [len(s.backwards) for s in recorder.steps] == [3, 3]
+    recorder.close()
+
+    by_hand = torch.nn.Linear(2, 2)  # updated without an optimizer
+    manual = Recorder(torch.device("cpu"), by_hand.parameters(), warmup=0)
+    for _ in range(4):
+        _micro_batch(manual)
+    _micro_batch(manual)
+    assert manual.step_count == 4 and manual.batch_size == 8
+    manual.close()

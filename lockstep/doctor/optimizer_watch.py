@@ -11,6 +11,7 @@ dropped without :meth:`OptimizerWatch.close` leaves two empty hooks behind, not 
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,6 +50,17 @@ class OptimizerWatch:
             known = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
             self._ours[optimizer] = known
         return known
+
+    def present(self) -> bool:
+        """Whether an optimizer holding a watched parameter exists now (stepped or not).
+
+        One pass over the objects the garbage collector tracks (torch keeps no registry of
+        optimizers): call it rarely. A recorder asks once, before the model's first optimizer
+        step, to tell gradient accumulation (backwards before a step) from a script with no
+        torch optimizer (a step per backward).
+        """
+        return any(isinstance(obj, torch.optim.Optimizer) and self.owns(obj)
+                   for obj in gc.get_objects())
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.owns(optimizer):

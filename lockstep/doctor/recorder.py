@@ -36,6 +36,10 @@ from lockstep.tensors import batch_size
 
 __all__ = ["Recorder"]
 
+# Backwards one step may hold while an optimizer that exists has not stepped yet; past this the
+# optimizer is taken to be unused and each backward ends a step (a script updating by hand).
+_MAX_WAITING_BACKWARDS = 1024
+
 Layout = Callable[[], list[dict[str, Any]]]
 
 
@@ -101,6 +105,7 @@ class Recorder:
         self._bwd: list[Any] | None = None
         self._bucket_events: dict[int, BucketEvents] = {}
         self._optimizer_seen = False
+        self._optimizer_awaited: bool | None = None  # an optimizer exists that has not stepped
         self._opt_start: Stamp | None = None
         self._gathers = RankGather(group, device, self.backend, gather_every,
                                    lambda: self.step_phases(wait=False))
@@ -126,8 +131,8 @@ class Recorder:
     # ---- forward and backward (called by the DDP wrapper and its reducer) ----------------
     def forward_started(self, inputs: Any = None) -> None:
         now = self.stamps.now()
-        if self._cur.synced and not self._optimizer_seen:
-            # No optimizer of this model was seen: the step ended with its last backward.
+        if self._cur.synced and not self._optimizer_seen and not self._awaiting_optimizer():
+            # No optimizer of this model: the step ended with its last backward.
             self._close(self._cur.backwards[-1][2])
         if inputs is not None and not self._counted:
             # The first forward before each backward brings new samples (no_sync() micro-
@@ -142,6 +147,19 @@ class Recorder:
         self._fwd = [now, now, now]
         self._cur.forwards.append(self._fwd)
         self._bwd = None
+
+    def _awaiting_optimizer(self) -> bool:
+        """Whether the step goes on until an optimizer of this model that exists steps.
+
+        Before the first optimizer step a synced backward may be one of several accumulated
+        without ``no_sync()``: if an optimizer holding the model's parameters exists, the step
+        ends at its step, not at each backward (asked once; see ``OptimizerWatch.present``).
+        """
+        if self._optimizer_awaited is None:
+            self._optimizer_awaited = self._optimizers is not None and self._optimizers.present()
+        if self._optimizer_awaited and len(self._cur.backwards) >= _MAX_WAITING_BACKWARDS:
+            self._optimizer_awaited = False  # it exists but never steps: a step per backward
+        return self._optimizer_awaited
 
     def forward_synced(self) -> None:
         """The forward's collectives (buffer broadcast) are done; the module runs next."""
