@@ -273,3 +273,59 @@ def test_two_gpu_ranks_equal_one_process():
         merged = {k: v for r in results for k, v in r[schedule][1].items()}
         for name, value in state.items():
             torch.testing.assert_close(merged[name], value, msg=name, rtol=1e-4, atol=1e-4)
+
+
+def _checkpointed_world(rank: int, directory: str) -> dict:
+    """Two identical-looking stages (nothing fails if rank 0's is restored on both), Adam, the
+    Checkpointer's default (asynchronous) save; then a restore into a fresh pipeline."""
+    lockstep.init_distributed()
+    data = [(x[:, :4], x[:, 2:].cos()) for x, _ in _data()] * 2
+
+    def build():
+        torch.manual_seed(rank)
+        pipe = lockstep.Pipeline([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)], 2,
+                                 loss_fn=F.mse_loss)
+        return pipe, torch.optim.Adam(pipe.parameters(), lr=0.01)
+
+    def train(pipe, opt, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            pipe.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+            opt.step()
+        return {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+
+    ckpt = lockstep.Checkpointer(directory)
+    pipe, opt = build()
+    train(pipe, opt, data[:2])
+    try:
+        ckpt.save(2, model=pipe, optimizer=opt)
+    except lockstep.CheckpointError as exc:
+        refused = str(exc)
+    ckpt.save(2, model=pipe, optimizer=pipe.optimizer_state(opt))
+    ckpt.wait()
+    went_on = train(pipe, opt, data[2:])
+    fresh, fresh_opt = build()
+    ckpt.restore(model=fresh, optimizer=fresh.optimizer_state(fresh_opt))
+    resumed = train(fresh, fresh_opt, data[2:])
+    groups = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+    alone = lockstep.Pipeline([nn.Linear(4, 4)], 1, loss_fn=F.mse_loss, process_group=groups[rank])
+    try:
+        lockstep.Checkpointer(directory).restore(model=alone)
+    except lockstep.CheckpointError as exc:
+        other_stages = str(exc)
+    return _plain({"went_on": went_on, "resumed": resumed, "refused": refused,
+                   "other_stages": other_stages})
+
+
+def test_each_rank_saves_and_restores_its_own_stage(tmp_path):
+    results = _tensors(lockstep.spawn(_checkpointed_world, 2, args=(str(tmp_path),), timeout=120))
+    assert "Pass optimizer=pipe.optimizer_state(optimizer) instead" in results[0]["refused"]
+    assert "pipeline stage 0" in results[1]["refused"]  # rank 0's error, on every rank
+    for rank in range(2):
+        went_on, resumed = results[rank]["went_on"], results[rank]["resumed"]
+        for name, value in went_on.items():
+            assert torch.equal(resumed[name], value), (rank, name)
+        assert "holds no stage 0 of a 1-stage pipeline" in results[rank]["other_stages"]
+        assert "saved by a pipeline of [2] stage(s)" in results[rank]["other_stages"]
+    assert not torch.equal(results[0]["went_on"]["stages.0.0.weight"],
+                           results[1]["went_on"]["stages.0.0.weight"])

@@ -18,6 +18,7 @@ from torch import nn
 
 from lockstep.checkpoint.io import CheckpointError, load_file
 from lockstep.fsdp.registry import is_shard, is_sharded
+from lockstep.shards import stage_param_of
 from lockstep.wrappers import unwrap_model
 
 __all__ = [
@@ -50,6 +51,7 @@ def refuse_sharded(name: str, obj: Any) -> None:
             is_shard(p) for group in obj.param_groups for p in group["params"]):
         what = "an optimizer of lockstep.fully_shard's shards"
     else:
+        _refuse_stage(name, obj)
         return
     raise TypeError(
         f"cannot checkpoint {name!r}: it is {what}, whose state_dict() holds this rank's shards "
@@ -57,6 +59,27 @@ def refuse_sharded(name: str, obj: Any) -> None:
         "and optimizer=lockstep.fsdp.OptimizerState(model, optimizer) instead (docs/fsdp.md, "
         "Checkpoints)"
     )
+
+
+def _refuse_stage(name: str, obj: Any) -> None:
+    """Refuse a pipeline stage over ranks (or its optimizer) given plainly: rank 0's would be
+    saved, and restored on every rank, whose stages differ."""
+    if isinstance(obj, nn.Module):
+        params = list(obj.parameters())
+        instead = "model=pipe (the Pipeline itself)"
+    elif isinstance(obj, torch.optim.Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+        instead = f"{name}=pipe.optimizer_state({name})"
+    else:
+        return
+    stages = sorted({s for s in map(stage_param_of, params) if s is not None})
+    if stages:
+        raise TypeError(
+            f"cannot checkpoint {name!r}: it holds the parameters of pipeline stage {stages[0]}, "
+            "which this rank alone holds (saved plainly, rank 0's stage would be restored on "
+            f"every rank). Pass {instead} instead: each rank then saves and restores its "
+            "own stage (docs/pipeline.md, Checkpoints)"
+        )
 
 
 def object_state(name: str, obj: Any) -> Any:

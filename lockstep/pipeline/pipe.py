@@ -18,11 +18,13 @@ from torch import nn
 
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
+from lockstep.pipeline.checkpoint import StageOptimizerState, load_stage_state, stage_state
 from lockstep.pipeline.local import run_local
 from lockstep.pipeline.partition import Balance, split_layers, stage_sizes
 from lockstep.pipeline.ranks import StagePeers, run_rank
 from lockstep.pipeline.schedule import Schedule, forward_only, get_schedule
 from lockstep.pipeline.stage import StageRunner, StageStats, as_tensor_tuple
+from lockstep.shards import mark_stage_param
 
 __all__ = ["Pipeline"]
 
@@ -116,7 +118,10 @@ class Pipeline(nn.Module):
         if balance == "time" and isinstance(module, nn.Sequential):
             # Timings differ from rank to rank; every rank must cut at the same places.
             balance = self._agreed_time_balance(module, sample, group)
-        return split_layers(module, self.num_stages, balance, sample)[index]
+        stage = split_layers(module, self.num_stages, balance, sample)[index]
+        for param in stage.parameters():
+            mark_stage_param(param, index)  # this rank's own: see pipeline.checkpoint
+        return stage
 
     def _agreed_time_balance(
         self, module: nn.Sequential, sample: Any, group: dist.ProcessGroup | None
@@ -164,6 +169,31 @@ class Pipeline(nn.Module):
             Pipeline.stage.fset(self, value)  # type: ignore[attr-defined]
             return
         super().__setattr__(name, value)
+
+    # ---- checkpoints (lockstep.Checkpointer's sharded protocol) --------------------------
+    @property
+    def save_sharded(self) -> bool:
+        """Whether a Checkpointer saves one piece per rank: with one stage per rank, yes."""
+        return self.is_distributed
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's piece for a Checkpointer: its stage's weights, tagged with the stage."""
+        return stage_state(self.stage_indices[0], self.num_stages, self.stages[0])
+
+    def load_sharded_state_dict(self, pieces: Sequence[Any]) -> None:
+        """Load the weights this rank's stage saved (any rank's piece of the same stage)."""
+        load_stage_state(pieces, self.stage_indices[0], self.num_stages, self.stages[0])
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> StageOptimizerState | Any:
+        """What to pass a Checkpointer for ``optimizer``, which steps this rank's stage.
+
+        With one stage per rank each rank's optimizer state is its own, saved and restored per
+        rank: ``ckpt.save(step, model=pipe, optimizer=pipe.optimizer_state(optimizer))``. With
+        every stage in this process the optimizer is returned as it is.
+        """
+        if not self.is_distributed:
+            return optimizer
+        return StageOptimizerState(self.stage_indices[0], self.num_stages, optimizer)
 
     def schedule(self, training: bool = True) -> Schedule:
         """The action lists of this pipeline's schedule, one per stage (print it to see it)."""
