@@ -243,3 +243,66 @@ def test_register_comm_hook_checks_annotations_as_torch():
     assert "bucket annotation should be dist.GradBucket" in out["lockstep", "_hook_bad_bucket"][1]
     assert "return annotation should be" in out["lockstep", "_hook_bad_return"][1]
     assert out["lockstep", "_hook_torch_bucket"] == ("ok", "")
+
+
+class _Complex(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.cfloat))
+        self.out = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return (x @ self.w).abs().sum() + self.out((x @ self.w).real).sum()
+
+
+def _clamping_hook(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    state.append((bucket.buffer().dtype, [g.dtype for g in bucket.gradients()]))
+    for grad in bucket.gradients():
+        grad.clamp_(-0.05, 0.05)
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _against_torch(rank: int, world: int) -> dict:
+    """The same training under torch's DDP and lockstep's: complex parameters with and without
+    torch's fp16 compression (the bucket is its real view), torch's fp16_compress_wrapper round
+    a hook reading gradients() (the views of the fp16 buffer set_buffer gave), and a
+    gradient-changing hook in a world of one (torch calls it there too)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    lockstep.init_distributed()
+    cases = {"complex": None, "complex_fp16": default_hooks.fp16_compress_hook,
+             "fp16_wrapper_gradients": default_hooks.fp16_compress_wrapper(_clamping_hook),
+             "clamp": _clamping_hook}
+    out = {}
+    for name, hook in cases.items():
+        runs = []
+        for cls in (torch.nn.parallel.DistributedDataParallel, lockstep.DistributedDataParallel):
+            torch.manual_seed(0)
+            model = cls(_Complex() if name.startswith("complex") else _net())
+            seen: list = []
+            if hook is not None:
+                model.register_comm_hook(seen if "clamp" in name or "gradients" in name else None,
+                                         hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                x = (torch.randn(5, 4, dtype=torch.cfloat, generator=g) if name.startswith("complex")
+                     else torch.randn(8, 8, generator=g))
+                opt.zero_grad()
+                model(x).sum().backward() if not name.startswith("complex") else model(x).backward()
+                opt.step()
+            runs.append(([p.detach().clone() for p in model.parameters()], [str(s) for s in seen]))
+        (theirs, seen_t), (ours, seen_o) = runs
+        out[name] = (all(torch.equal(a, b) for a, b in zip(theirs, ours)), seen_t == seen_o, len(seen_o))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_complex_parameters_and_hooks_train_as_under_torchs_ddp(world):
+    for rank_result in lockstep.spawn(_against_torch, world, args=(world,), timeout=120):
+        for name, (equal, same_view, calls) in rank_result.items():
+            assert equal, (world, name)
+            assert same_view, (world, name)  # the hook saw the same dtypes as under torch
+        assert rank_result["clamp"][2] == 3  # called every step, at world 1 too

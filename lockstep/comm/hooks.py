@@ -41,8 +41,10 @@ class GradBucket:
         is_last: bool,
     ) -> None:
         self._index = index
-        self._buffer = buffer
-        self._grads = buffer  # the bucket's own memory, whatever set_buffer puts in its place
+        # A complex bucket is handed over as its flat real view, as torch's reducer does (so
+        # that casts, e.g. fp16 compression, keep the imaginary parts).
+        self._complex = buffer.is_complex()
+        self._buffer = torch.view_as_real(buffer).view(-1) if self._complex else buffer
         self._parameters = parameters
         self._offsets = offsets
         self._is_last = is_last
@@ -63,12 +65,15 @@ class GradBucket:
         return list(self._parameters)
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view of the bucket's own buffer (not one given to
-        :meth:`set_buffer`, as torch's), shaped like the parameter."""
-        return [
-            self._grads[off : off + p.numel()].view_as(p)
-            for p, off in zip(self._parameters, self._offsets)
-        ]
+        """Each parameter's gradient as a view of the current buffer (the one given to
+        :meth:`set_buffer`, if any, in its dtype, as torch's), shaped like the parameter; a
+        complex parameter's as its real view (a last dimension of 2)."""
+        per = 2 if self._complex else 1  # real values per element of the bucket
+        out = []
+        for p, off in zip(self._parameters, self._offsets):
+            flat = self._buffer[off * per: (off + p.numel()) * per]
+            out.append(flat.view(*p.shape, 2) if self._complex else flat.view(p.shape))
+        return out
 
     def offsets(self) -> list[int]:
         return list(self._offsets)

@@ -215,8 +215,7 @@ class BucketRound:
                     result = result * owner.grad_scale
                 self._sparse_grads[bucket.index] = result
             else:
-                if result is not bucket.buffer:
-                    bucket.buffer.copy_(result)
+                _take_result(bucket.buffer, result)
                 if owner.grad_scale != 1.0:
                     bucket.buffer.mul_(owner.grad_scale)
             if owner.clock is not None:
@@ -272,3 +271,18 @@ def launch_zeros(buckets: Sequence[Bucket], owner: ReducerSettings) -> None:
         op = f"DDP gradient all-reduce (bucket {bucket.index} of {last + 1}, joined rank)"
         seq = owner.progress.enter(op)
         hang.wait(owner.progress, seq, op, owner.comm_hook(owner.comm_state, grad_bucket))
+
+
+def _take_result(buffer: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a comm hook's result into the bucket's buffer, unless it is that memory already.
+
+    A complex bucket's hook works on its real view (``GradBucket``), and gloo's all-reduce of a
+    complex tensor answers with one: the same memory under another dtype, which must not be
+    copied onto itself.
+    """
+    if buffer.is_complex():
+        buffer = torch.view_as_real(buffer).view(-1)
+    if result is buffer or (result.data_ptr() == buffer.data_ptr() and result.dtype == buffer.dtype
+                            and result.numel() == buffer.numel()):
+        return
+    buffer.copy_(result.reshape(buffer.shape))

@@ -490,6 +490,10 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
                 "DistributedDataParallel to use another hook, or combine both in one hook."
             )
         self._hook_registered = True
+        if self._reducer is None and self.world_size == 1 and self._trainable_names:
+            # A world of one reduces nothing, but a hook may change the gradients (clipping,
+            # compression's rounding, PowerSGD's error feedback): torch runs it there too.
+            self._reducer = self._new_reducer()
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
