@@ -170,6 +170,20 @@ def test_accumulating_without_no_sync_before_the_first_optimizer_step_is_one_ste
     assert [len(s.backwards) for s in recorder.steps] == [3, 3]
     recorder.close()
 
+    lazy = torch.nn.Linear(2, 2)  # the optimizer is made after the first backwards
+    late = Recorder(torch.device("cpu"), lazy.parameters(), warmup=0)
+    for _micro in range(3):
+        _micro_batch(late)
+    made = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    _step(made)
+    for _micro in range(3):
+        _micro_batch(late)
+    _step(made)
+    assert late.step_count == 2 and late.batch_size == 24
+    assert [len(s.backwards) for s in late.steps] == [3, 3]
+    assert [len(s.forwards) for s in late.steps] == [3, 3]
+    late.close()
+
     by_hand = torch.nn.Linear(2, 2)  # updated without an optimizer
     manual = Recorder(torch.device("cpu"), by_hand.parameters(), warmup=0)
     for _ in range(4):

@@ -106,6 +106,8 @@ class Recorder:
         self._bucket_events: dict[int, BucketEvents] = {}
         self._optimizer_seen = False
         self._optimizer_awaited: bool | None = None  # an optimizer exists that has not stepped
+        self._provisional = 0  # steps ended at a backward, before any optimizer step was seen
+        self._closed = steps_done  # steps closed, merged ones too (the cross-rank gathers' clock)
         self._opt_start: Stamp | None = None
         self._gathers = RankGather(group, device, self.backend, gather_every,
                                    lambda: self.step_phases(wait=False))
@@ -134,6 +136,7 @@ class Recorder:
         if self._cur.synced and not self._optimizer_seen and not self._awaiting_optimizer():
             # No optimizer of this model: the step ended with its last backward.
             self._close(self._cur.backwards[-1][2])
+            self._provisional += 1
         if inputs is not None and not self._counted:
             # The first forward before each backward brings new samples (no_sync() micro-
             # batches); a second one before the same backward sees the same samples again
@@ -260,9 +263,34 @@ class Recorder:
         end = self.stamps.now()
         self._cur.optimizer.append([self._opt_start, end])  # type: ignore[list-item]
         self._opt_start = None
-        self._optimizer_seen = True
+        if not self._optimizer_seen:
+            self._optimizer_seen = True
+            self._merge_provisional()
         if self._cur.synced:
             self._close(end)
+
+    def _merge_provisional(self) -> None:
+        """The first optimizer step: the steps ended at a backward before it are its own.
+
+        An optimizer made after the first backwards (the script builds it lazily) is not there
+        when the recorder looks; the micro-batches it accumulated then were closed one step
+        each, and join this step now, as if the optimizer had been seen from the start.
+        """
+        count, self._provisional = self._provisional, 0
+        if not count or count > _MAX_WAITING_BACKWARDS or count > len(self.steps) + len(self._pending):
+            return
+        taken = [self._pending.pop() if self._pending else self.steps.pop() for _ in range(count)]
+        taken.reverse()
+        cur = self._cur
+        cur.begin = taken[0].begin
+        cur.forwards[:0] = [span for r in taken for span in r.forwards]
+        cur.backwards[:0] = [span for r in taken for span in r.backwards]
+        cur.optimizer[:0] = [span for r in taken for span in r.optimizer]
+        cur.buckets[:0] = [b for r in taken for b in r.buckets]
+        cur.samples += sum(r.samples for r in taken)
+        cur.synced = cur.synced or any(r.synced for r in taken)
+        self._step_samples -= collections.Counter(r.samples for r in taken if r.samples)
+        self.step_count -= count
 
     # ---- steps -----------------------------------------------------------------------------
     def _close(self, end: Stamp) -> None:
@@ -277,7 +305,8 @@ class Recorder:
         self._pending.append(record)
         self._resolve(wait=False)
         self.step_count += 1
-        self._gathers.step_closed(self.step_count)
+        self._closed += 1
+        self._gathers.step_closed(self._closed)
         if self.max_steps is not None and self.step_count >= self.max_steps:
             if self._file is not None:
                 self._file.end_bounded_run()  # lockstep doctor: the run is over on every rank
