@@ -294,3 +294,20 @@ def test_training_equals_the_unsplit_model_on_gpus(schedule):
     torch.testing.assert_close(out.to(devices[0]), reference(x).detach())
     for a, b in zip(reference.parameters(), pipe.parameters()):
         torch.testing.assert_close(b.grad.to(devices[0]), a.grad)
+
+
+def test_a_batch_that_requires_grad_gets_its_gradient_without_warnings():
+    """The first stage's inputs are views of the batch: reading their .grad warned on every
+    step (until 2026-11-29); the batch's own gradient is that of one backward over it."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    pipe = lockstep.Pipeline(model, chunks=3, devices=["cpu", "cpu"], loss_fn=F.mse_loss)
+    x, y = torch.randn(6, 4, requires_grad=True), torch.randn(6, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.step(x, target=y)
+    ref = x.detach().clone().requires_grad_(True)
+    F.mse_loss(model(ref), y).backward()
+    torch.testing.assert_close(x.grad, ref.grad)

@@ -329,3 +329,35 @@ def test_each_rank_saves_and_restores_its_own_stage(tmp_path):
         assert "saved by a pipeline of [2] stage(s)" in results[rank]["other_stages"]
     assert not torch.equal(results[0]["went_on"]["stages.0.0.weight"],
                            results[1]["went_on"]["stages.0.0.weight"])
+
+
+def _sends_and_no_sync(rank: int) -> dict:
+    """Eight micro-batches through two stages under 1F1B: what each rank holds in sends in
+    flight; then a step inside the user's no_sync() (a 1-stage pipeline per rank, its stage in
+    DDP over both ranks) and a synced one."""
+    lockstep.init_distributed()
+    torch.manual_seed(0)
+    pipe = lockstep.Pipeline([nn.Linear(64, 64), nn.Linear(64, 64)], 8, loss_fn=F.mse_loss)
+    x, y = torch.randn(8 * 16, 64), torch.randn(8 * 16, 64)
+    pipe.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    sent = pipe.stats[0].peak_sent_bytes
+    groups = [dist.new_group([r]) for r in range(2)]
+    alone = lockstep.Pipeline(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), 3,
+                              loss_fn=F.mse_loss, process_group=groups[rank])
+    alone.stage = lockstep.DistributedDataParallel(alone.stage)
+    calls: list = []
+    alone.stage.register_comm_hook((calls, None), _counting_allreduce)
+    with alone.stage.no_sync():
+        alone.step(torch.randn(6, 4), target=torch.randn(6, 2))
+    in_no_sync = len(calls)
+    alone.step(torch.randn(6, 4), target=torch.randn(6, 2))
+    return {"sent": sent, "in_no_sync": in_no_sync, "after": len(calls)}
+
+
+def test_sends_are_freed_once_taken_and_the_users_no_sync_holds():
+    results = lockstep.spawn(_sends_and_no_sync, 2, timeout=120)
+    micro_batch = 16 * 64 * 4  # one micro-batch's activation (rank 0) or gradient (rank 1)
+    for rank in range(2):
+        # Until 2026-11-29 every send stayed until the step's end: 8 micro-batches.
+        assert 0 < results[rank]["sent"] <= 2 * micro_batch + 256, results[rank]
+        assert results[rank]["in_no_sync"] == 0 and results[rank]["after"] == 1, results[rank]

@@ -72,8 +72,11 @@ def send_tensors(
         The pending works; keep them (and so the tensors) alive until :func:`wait_all`.
     """
     payload = _activation_payload(tensors, device)
-    # The tensors travel with the works so nothing is freed before the send completes.
-    return [(dist.isend(t, dst, group=group, tag=_FORWARD_TAG), payload, dst) for t in payload]
+    what = f"pipeline: sending activations to rank {dst}"
+    # The tensors travel with the works so nothing is freed before the send completes. A send
+    # can fail as it starts (the peer's connection closed): named like a failed receive.
+    return [(hang.from_peer(dst, what, partial(dist.isend, t, dst, group=group, tag=_FORWARD_TAG)),
+             payload, dst) for t in payload]
 
 
 def send_tensors_recv_grads(
@@ -97,9 +100,9 @@ def send_tensors_recv_grads(
     grads = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in slots)
     ops = [dist.P2POp(dist.isend, t, peer, group, _FORWARD_TAG) for t in keep]
     ops += [dist.P2POp(dist.irecv, g, peer, group, _BACKWARD_TAG) for g in grads]
-    works = dist.batch_isend_irecv(ops)
-    sends = len(ops) - len(grads)
     what = f"pipeline: receiving gradients from rank {peer}"
+    works = hang.from_peer(peer, what, partial(dist.batch_isend_irecv, ops))
+    sends = len(ops) - len(grads)
     if len(works) == len(ops):  # one work per message: leave the sends running
         for work in works[sends:]:
             hang.from_peer(peer, what, work.wait)
@@ -132,9 +135,9 @@ def recv_tensors(
 
 def send_grads(grads: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None) -> list:
     """Start sending gradients back to global rank ``dst`` (no header: it knows their shapes)."""
-    return [
-        (dist.isend(g.contiguous(), dst, group=group, tag=_BACKWARD_TAG), g, dst) for g in grads
-    ]
+    what = f"pipeline: sending gradients to rank {dst}"
+    return [(hang.from_peer(dst, what, partial(dist.isend, g.contiguous(), dst, group=group,
+                                               tag=_BACKWARD_TAG)), g, dst) for g in grads]
 
 
 def recv_grads(

@@ -255,7 +255,12 @@ class Pipeline(nn.Module):
         self._runners = self._make_runners()
         schedule = self.schedule(training)
         if self.is_distributed:
-            peers = StagePeers(self.process_group, self.stage_indices[0], self.num_stages)
+            # Hang reports name the step a stuck neighbour is at: one per pipeline step (a
+            # stage wrapped in DDP counts its forwards too).
+            group_progress(self.process_group).begin_step(
+                f"pipeline {'step' if training else 'forward'}")
+            peers = StagePeers(self.process_group, self.stage_indices[0], self.num_stages,
+                               schedule)
             runner, actions = self._runners[0], schedule[self.stage_indices[0]]
             outs, loss_map = run_rank(runner, actions, peers, microbatches, targets, scales)
             outputs = [outs[i] for i in sorted(outs)]

@@ -18,18 +18,77 @@ import torch.distributed as dist
 from lockstep.distributed import global_rank
 from lockstep.pipeline import comms
 from lockstep.pipeline.schedule import Action
-from lockstep.pipeline.stage import StageRunner
+from lockstep.pipeline.stage import StageRunner, StageStats
 
 __all__ = ["StagePeers", "run_rank"]
 
 
 class StagePeers:
-    """The global ranks of a stage's neighbours in its pipeline group."""
+    """The global ranks of a stage's neighbours in its pipeline group, and their action lists.
 
-    def __init__(self, group: dist.ProcessGroup | None, index: int, num_stages: int) -> None:
+    With the neighbours' lists (the schedule is the agreement) a stage knows when a neighbour
+    has taken what it was sent, and frees it then (see :class:`_Outbox`); without them sends
+    are kept until the end of the step.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, index: int, num_stages: int,
+                 schedule: Sequence[Sequence[Action]] | None = None) -> None:
         self.group = group
         self.prev = global_rank(group, index - 1) if index > 0 else None
         self.next = global_rank(group, index + 1) if index < num_stages - 1 else None
+        lists = schedule or []
+        self.prev_order = _positions(lists[index - 1]) if lists and self.prev is not None else {}
+        self.next_order = _positions(lists[index + 1]) if lists and self.next is not None else {}
+
+
+def _positions(actions: Sequence[Action]) -> dict[tuple[str, int], int]:
+    return {(a.phase, a.microbatch): i for i, a in enumerate(actions)}
+
+
+class _Outbox:
+    """Sends in flight, each finished and freed as soon as its peer has certainly taken it.
+
+    A neighbour that sends us something from its action at position ``P`` has finished every
+    action before ``P``, its blocking receives included: our sends that it takes before ``P``
+    are complete, and waiting for them costs nothing. (Waiting earlier could block on a
+    neighbour busy sending to us; keeping every send to the end of the step held all the
+    step's activations or gradients, ``m`` micro-batches, where 1F1B needs a few.)
+    """
+
+    def __init__(self, stats: StageStats) -> None:
+        self._items: list[tuple[Any, Any, int, int, int]] = []  # work, payload, peer, at, bytes
+        self._stats = stats
+        self._bytes = 0
+        stats.peak_sent_bytes = 0
+
+    def add(self, sends: list, taken_at: int | None) -> None:
+        position = taken_at if taken_at is not None else 1 << 62  # unknown: the step's end
+        seen: set[int] = set()
+        for work, payload, peer in sends:
+            held = [t for t in (payload if isinstance(payload, list) else [payload])
+                    if id(t) not in seen]
+            seen.update(id(t) for t in held)
+            nbytes = sum(t.numel() * t.element_size() for t in held)
+            self._items.append((work, payload, peer, position, nbytes))
+            self._bytes += nbytes
+        self._stats.peak_sent_bytes = max(self._stats.peak_sent_bytes, self._bytes)
+
+    def peer_passed(self, peer: int | None, position: int | None) -> None:
+        """``peer`` sent us what it sends at ``position`` of its list: free what it took before."""
+        if peer is None or position is None:
+            return
+        done = [item for item in self._items if item[2] == peer and item[3] < position]
+        if done:
+            self._items = [item for item in self._items if not (item[2] == peer and item[3] < position)]
+            self._finish(done)
+
+    def finish(self) -> None:
+        items, self._items = self._items, []
+        self._finish(items)
+
+    def _finish(self, items: list) -> None:
+        comms.wait_all([(work, payload, peer) for work, payload, peer, _, _ in items])
+        self._bytes -= sum(item[4] for item in items)
 
 
 def _last_backward(actions: Sequence[Action]) -> int | None:
@@ -80,7 +139,8 @@ def run_rank(
 
     A stage wrapped in :class:`lockstep.DistributedDataParallel` syncs gradients across its
     replicas only in its last backward: earlier micro-batches accumulate locally, as in
-    gradient accumulation, so the replicas exchange gradients once per step.
+    gradient accumulation, so the replicas exchange gradients once per step; none at all in a
+    step run inside the wrapper's ``no_sync()``.
 
     Args:
         runner: this rank's stage.
@@ -95,8 +155,11 @@ def run_rank(
     """
     outputs: dict[int, tuple[torch.Tensor, ...]] = {}
     losses: dict[int, torch.Tensor] = {}
-    pending: list = []
-    last_backward = _last_backward(actions)
+    pending = _Outbox(runner.stats)
+    # A step run inside the user's own no_sync() (accumulating over steps) syncs in none of its
+    # backwards; otherwise in its last one only.
+    last_backward = (_last_backward(actions)
+                     if getattr(runner.module, "require_backward_grad_sync", True) else None)
     grads_ahead: tuple[torch.Tensor, ...] | None = None
     for position, action in enumerate(actions):
         mb = action.microbatch
@@ -118,7 +181,7 @@ def run_rank(
             grads_ahead = None
     # Only on success: after a failure the neighbour may never take these messages, and
     # waiting would turn the error into a hang.
-    comms.wait_all(pending)
+    pending.finish()
     return outputs, losses
 
 
@@ -129,7 +192,7 @@ def _forward(
     microbatches: Sequence[tuple[torch.Tensor, ...]] | None,
     targets: Sequence[Any] | None,
     loss_scales: Sequence[float],
-    pending: list,
+    pending: _Outbox,
     outputs: dict[int, tuple[torch.Tensor, ...]],
     losses: dict[int, torch.Tensor],
     fuse_with: int | None,
@@ -140,6 +203,7 @@ def _forward(
         inputs = microbatches[mb]
     else:
         inputs = comms.recv_tensors(peers.prev, peers.group, runner.device)
+        pending.peer_passed(peers.prev, peers.prev_order.get(("F", mb)))
     target = targets[mb] if targets is not None else None
     out, loss = runner.forward(mb, inputs, target, loss_scales[mb] if loss_scales else 1.0)
     if peers.next is None:
@@ -147,13 +211,15 @@ def _forward(
         if loss is not None:
             losses[mb] = loss
         return None
+    taken_at = peers.next_order.get(("F", mb))
     if fuse_with is None:
-        pending += comms.send_tensors(out, peers.next, peers.group, runner.device)
+        pending.add(comms.send_tensors(out, peers.next, peers.group, runner.device), taken_at)
         return None
     sends, grads = comms.send_tensors_recv_grads(
         out, runner.grad_slots(fuse_with), peers.next, peers.group, runner.device
     )
-    pending += sends
+    pending.add(sends, taken_at)
+    pending.peer_passed(peers.next, peers.next_order.get(("B", fuse_with)))
     return grads
 
 
@@ -161,11 +227,13 @@ def _backward(
     runner: StageRunner,
     mb: int,
     peers: StagePeers,
-    pending: list,
+    pending: _Outbox,
     grads: tuple[torch.Tensor, ...] | None,
 ) -> None:
     if grads is None and peers.next is not None:
         grads = comms.recv_grads(runner.grad_slots(mb), peers.next, peers.group, runner.device)
+        pending.peer_passed(peers.next, peers.next_order.get(("B", mb)))
     grad_inputs = runner.backward(mb, grads)
     if peers.prev is not None:
-        pending += comms.send_grads(grad_inputs, peers.prev, peers.group)
+        pending.add(comms.send_grads(grad_inputs, peers.prev, peers.group),
+                    peers.prev_order.get(("B", mb)))

@@ -43,12 +43,15 @@ class StageStats:
         activation_bytes: bytes kept for backward per micro-batch (saved tensors, inputs and
             outputs, parameters excluded), by micro-batch index.
         peak_activation_bytes: the most bytes kept at once.
+        peak_sent_bytes: with one stage per rank, the most bytes of sent activations and
+            gradients held at once until the neighbour had taken them.
         events: ``(action, start, end)`` per action, in ``time.perf_counter`` seconds (host
             time: on CUDA it is when work was queued, unless the device is synchronised).
     """
 
     activation_bytes: dict[int, int] = field(default_factory=dict)
     peak_activation_bytes: int = 0
+    peak_sent_bytes: int = 0
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
@@ -161,7 +164,8 @@ class StageRunner:
         ``grad_outputs`` holds one gradient per floating-point output, in order.
 
         Returns:
-            One gradient per floating-point input, in order (zeros where an input was unused).
+            One gradient per floating-point input, in order (zeros where an input was unused);
+            none on the first stage.
         """
         start = time.perf_counter()
         if microbatch not in self._inputs:
@@ -176,7 +180,10 @@ class StageRunner:
         else:
             self._backward_from(microbatch, outputs, grad_outputs)
         self._live_bytes -= self.stats.activation_bytes[microbatch]
-        grads = tuple(
+        # The first stage's inputs are the user's batch (views of it): nothing goes back, and
+        # reading .grad of those views would only warn (a batch that requires grad gets its
+        # gradient through them, as from one backward over the whole batch).
+        grads = () if self.is_first else tuple(
             t.grad if t.grad is not None else torch.zeros_like(t)
             for t in inputs
             if t.requires_grad
