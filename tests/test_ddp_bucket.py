@@ -55,3 +55,41 @@ def test_bucket_views_alias_one_flat_buffer():
     bucket.views[1].fill_(2.0)
     assert bucket.buffer[5:].eq(2.0).all() and bucket.views[1].shape == (3, 4)
     assert bucket.nbytes == 17 * 4
+
+
+def _layouts_against_torch(rank: int) -> dict:
+    """A channels_last convolution, with and without gradient views, and a sub-byte bucket cap,
+    under torch's DDP and lockstep's: gradient strides and final weights."""
+    import lockstep
+
+    lockstep.init_distributed()
+    out = {}
+    for name, kwargs in {"views": {"gradient_as_bucket_view": True}, "copies": {},
+                         "tiny_cap": {"bucket_cap_mb": 1e-9}}.items():
+        runs = []
+        for cls in (torch.nn.parallel.DistributedDataParallel, lockstep.DistributedDataParallel):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 2))
+            net = net.to(memory_format=torch.channels_last)
+            model = cls(net, **kwargs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for step in range(2):
+                x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
+                opt.zero_grad()
+                model(x.to(memory_format=torch.channels_last)).square().mean().backward()
+                strides = [tuple(p.grad.stride()) for p in model.parameters()]
+                opt.step()
+            runs.append(([p.detach().clone() for p in model.parameters()], strides))
+        (theirs, s_t), (ours, s_o) = runs
+        out[name] = (all(torch.equal(a, b) for a, b in zip(theirs, ours)), s_t, s_o)
+    return out
+
+
+@pytest.mark.multirank
+def test_gradients_keep_the_parameters_layout_and_a_sub_byte_cap_is_a_bucket_each_as_torch():
+    import lockstep
+
+    for result in lockstep.spawn(_layouts_against_torch, 2, timeout=120):
+        for name, (equal, theirs, ours) in result.items():
+            assert equal, name
+            assert ours == theirs, (name, ours, theirs)  # channels_last: (27, 1, 9, 3)

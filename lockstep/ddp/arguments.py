@@ -85,10 +85,10 @@ def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: Sequence[Any] | Non
             )
         sizes = [_check_mb(f"bucket_cap_mb_list[{i}]", v) for i, v in enumerate(bucket_cap_mb_list)]
         if sizes:  # torch treats an empty list as "not given"
-            return int(max(sizes) * MB)
+            return max(1, int(max(sizes) * MB))  # below a byte: a bucket per parameter, as torch
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_CAP_MB * MB
-    return int(_check_mb("bucket_cap_mb", bucket_cap_mb) * MB)
+    return max(1, int(_check_mb("bucket_cap_mb", bucket_cap_mb) * MB))
 
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> Any:

@@ -117,9 +117,28 @@ class Bucket:
             total += p.numel()
         first = members[0]
         buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(members, offsets)]
+        views = [_grad_view(buffer[o : o + p.numel()], p) for p, o in zip(members, offsets)]
         return cls(index, list(param_indices), members, buffer, offsets, views)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def _grad_view(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slot of a bucket, laid out as ``param`` is (torch's reducer does the same):
+    a ``channels_last`` weight gets a ``channels_last`` gradient. A layout that is not dense
+    and non-overlapping (a strided view as a parameter) gets a contiguous slot."""
+    if param.is_contiguous() or not _dense(param):
+        return flat.view_as(param)
+    return flat.as_strided(param.shape, param.stride())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides cover exactly ``numel()`` elements, each once."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
