@@ -72,11 +72,16 @@ def load_corpus(max_files: int | None = None, root: str | Path | None = None) ->
         RuntimeError: the directory holds too few ``.py`` files to split.
     """
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(base.glob("*.py"))[:max_files]
+    found = sorted(base.glob("*.py"))
+    files = found[:max_files]
     if len(files) < VALIDATION_EVERY:
+        if len(files) < len(found):
+            raise RuntimeError(
+                f"--max-files {max_files} keeps {len(files)} of the {len(found)} .py files in "
+                f"{base}; the demo needs at least {VALIDATION_EVERY}: raise --max-files")
         raise RuntimeError(
             f"{base} holds {len(files)} .py files, the demo needs at least {VALIDATION_EVERY} "
-            "(raise --max-files, or check that the standard library's sources are installed)"
+            "(check that the standard library's sources are installed)"
         )
     val = [f for i, f in enumerate(files) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
     train = [f for i, f in enumerate(files) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]

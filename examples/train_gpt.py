@@ -142,7 +142,7 @@ def batches(loader, epoch: int = 0):
         epoch += 1
 
 
-def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
+def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict | None:
     vocab, train_loader, val_loader, val_set, model, comm = build(rt, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args))
@@ -158,9 +158,11 @@ def train(rt: lockstep.Runtime, args: argparse.Namespace) -> dict:
         if resumed is not None:
             first, start_epoch = resumed.step + 1, resumed.epoch or 0
             if first > args.max_steps:
-                raise SystemExit(f"{args.checkpoint_dir} already holds step {resumed.step} of --max-steps "
-                                 f"{args.max_steps}: nothing to train (raise --max-steps, or pick another "
-                                 "--checkpoint-dir)")
+                # A finished run: the same command again (a supervisor's retry) succeeds at once,
+                # so that a launcher with --max-restarts does not start it over and over.
+                rt.print(f"{args.checkpoint_dir} already holds step {resumed.step} of --max-steps "
+                         f"{args.max_steps}: nothing to train (raise --max-steps to train on)")
+                return None
             rt.print(f"resumed from {resumed.path} at step {resumed.step}")
     history = {"train": [], "val": [(first - 1, evaluate(rt, model, val_loader, len(val_set)))]}
     shown = {"loss": "-", "tok/s": "-", "val_loss": f"{history['val'][0][1]:.3f}"}
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     with lockstep.Runtime(device=args.device) as rt:
         result = train(rt, args)
-        if rt.is_main:
+        if result is not None and rt.is_main:
             report(rt, args, result, time.perf_counter() - start)
         rt.barrier()  # nobody leaves while rank 0 still writes
 

@@ -106,6 +106,10 @@ def test_corpus_split_is_deterministic_and_errors_name_the_directory(tmp_path, m
     (tmp_path / "only.py").write_text("pass\n")
     with pytest.raises(RuntimeError, match=rf"{tmp_path} holds 1 .py files, the demo needs at least 10"):
         load_corpus(root=tmp_path)
+    for i in range(11):
+        (tmp_path / f"m{i}.py").write_text("pass\n")
+    with pytest.raises(RuntimeError, match=rf"--max-files 5 keeps 5 of the 12 .py files in {tmp_path}"):
+        load_corpus(max_files=5, root=tmp_path)
 
 
 def test_demo_resumes_from_its_checkpoint_bitwise(tmp_path, monkeypatch, capsys):
@@ -131,9 +135,15 @@ def test_demo_resumes_from_its_checkpoint_bitwise(tmp_path, monkeypatch, capsys)
                         tmp_path / "resumed" / "ckpt" / "step_000000000010")
         # Saves paced to 5% of the time in between: the last step's is never skipped.
         run("resumed", "--checkpoint-every", "1", "--checkpoint-max-overhead", "0.05")
+        assert "resumed from" in capsys.readouterr().out
+        # The same command after the run finished: nothing to train, and a normal return (it
+        # exited 1 until 2026-11-29, so a launcher's --max-restarts started it over and over).
+        (tmp_path / "whole" / "metrics.json").unlink()
+        run("whole")
+        assert "already holds step 20 of --max-steps 20: nothing to train" in capsys.readouterr().out
+        assert not (tmp_path / "whole" / "metrics.json").exists()
     finally:
         torch.set_num_threads(threads)
-    assert "resumed from" in capsys.readouterr().out
     assert json.loads((tmp_path / "resumed" / "metrics.json").read_text())["resumed_at_step"] == 10
     whole, resumed = (tmp_path / name / "ckpt" / "step_000000000020" for name in ("whole", "resumed"))
     names = sorted(p.name for p in whole.iterdir())
