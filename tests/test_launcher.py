@@ -336,6 +336,28 @@ def test_root_cause_prefers_the_real_error_over_its_echoes(tmp_path):
     assert errors.exit_code_for(failures[0]) == 1
 
 
+def test_ranks_that_raised_their_own_error_are_not_called_a_consequence(tmp_path):
+    """Every rank raised its own exception: the first is the root cause, the others are listed
+    with what they raised (they were "probably a consequence" until 2026-11-29); a rank that
+    only lost its peer still is."""
+    t = int(time.time())
+    files = {
+        rank: _error_file(tmp_path / f"r{rank}" / "error.json", summary,
+                          f'Traceback (most recent call last):\n  File "train.py", line 5, in '
+                          f"<module>\n{summary}\n", t + rank)
+        for rank, summary in [(0, "KeyError: 'label'"), (1, "ValueError: rank 1's own problem"),
+                              (2, "RuntimeError: Connection closed by peer [127.0.0.1]:1")]
+    }
+    err = ChildFailedError("train.py", {
+        rank: ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=1, error_file=path)
+        for rank, path in files.items()})
+    report = errors.format_report(errors.failures_from(err))
+    assert "Root cause: rank 0 (local rank 0, pid 10) ended with exit code 1." in report
+    assert ("Also failed with an error of its own: rank 1 (exit code 1: ValueError: rank 1's own "
+            "problem).") in report
+    assert "Also failed, probably as a consequence: rank 2 (exit code 1)." in report
+
+
 def test_a_machine_whose_workers_only_lost_a_peer_says_the_cause_is_elsewhere(tmp_path):
     """Two machines: rank 1 raised on machine B; machine A's rank 0 failed on the closed
     connection. A's report said "Root cause: rank 0 ... exit code 1", naming no host."""

@@ -322,7 +322,18 @@ def format_report(failures: list[Failure], attempts: int = 1, host: str | None =
         lines += ["", cause.traceback]
     elif cause.summary:
         lines += ["", cause.summary]
-    others = [f"rank {f.rank} ({f.how()})" for f in failures[1:]]
+    # Ranks that raised an error of their own failed for their own reason, not because of the
+    # root cause: say what each raised (its traceback is in its own output).
+    own = [f"rank {f.rank} ({f.how()}: {_first_line(f.summary)})" for f in failures[1:]
+           if _own_error(f)]
+    others = [f"rank {f.rank} ({f.how()})" for f in failures[1:] if not _own_error(f)]
+    if own:
+        lines += ["", "Also failed with an error of its own: " + ", ".join(own) + "."]
     if others:
         lines += ["", "Also failed, probably as a consequence: " + ", ".join(others) + "."]
     return "\n".join(lines)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
