@@ -16,8 +16,9 @@ __all__ = ["add_run_arguments"]
 
 # torchrun's flags: (name, argparse options). Each is accepted as --a-b and --a_b.
 _FLAGS: tuple[tuple[str, dict], ...] = (
-    ("nproc-per-node", {"default": "1", "metavar": "N|auto",
-                            "help": "workers on this machine; auto: one per GPU, else 2"}),
+    ("nproc-per-node", {"default": "1", "metavar": "N|auto|cpu|gpu",
+                            "help": "workers on this machine; auto: one per GPU, else 2; "
+                                    "cpu: one per usable core; gpu: one per GPU"}),
     ("nnodes", {"default": "1", "metavar": "N|MIN:MAX", "help": "number of machines in the job"}),
     ("node-rank", {"type": int, "default": 0, "metavar": "R",
                        "help": "this machine's rank (static rendezvous; c10d numbers machines)"}),
