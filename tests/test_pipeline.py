@@ -232,6 +232,21 @@ def test_errors_name_the_problem():
     with pytest.raises(RuntimeError, match=r"stage 1 failed in forward on micro-batch 0 with "
                        r"inputs of shapes \[\(2, 16\)\] from stage 0.*stage boundary is wrong"):
         pipe.step(torch.randn(4, 6), target=torch.randn(4, 3))
+
+    class Raises(nn.Module):
+        def forward(self, x):
+            raise ValueError("a check of the user's own")
+
+    pipe = lockstep.Pipeline([nn.Linear(6, 6), Raises()], 2, loss_fn=F.mse_loss, devices=["cpu"] * 2)
+    with pytest.raises(RuntimeError, match="ValueError: a check of the user's own") as info:
+        pipe.step(torch.randn(4, 6), target=torch.randn(4, 6))
+    assert "stage boundary" not in str(info.value)  # said of any error until 2026-11-29
+    pipe = lockstep.Pipeline(_mlp(), 2, loss_fn=F.cross_entropy, devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="the target has 5 samples and the input 4"):
+        pipe.step(torch.randn(4, 6), target=torch.randint(0, 3, (5,)))
+    with pytest.raises(RuntimeError, match=r"stage 1 \(the last\): loss_fn failed on outputs of "
+                       r"shapes \[\(2, 3\)\] and a target of shape \(2, 3\)"):
+        pipe.step(torch.randn(4, 6), target=torch.randint(0, 3, (4, 3)))
     pipe = lockstep.Pipeline(_mlp(), 5, loss_fn=F.mse_loss, devices=["cpu", "cpu"])
     with pytest.raises(ValueError, match="cannot cut a batch of 4 samples .* into 5 micro-batches"):
         pipe.step(torch.randn(4, 6), target=torch.randn(4, 3))

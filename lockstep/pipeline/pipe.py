@@ -251,6 +251,10 @@ class Pipeline(nn.Module):
             targets = [_to(t, self.devices[-1]) for t in targets]
         sizes = ([int(mb[0].shape[0]) for mb in microbatches] if microbatches is not None
                  else None)
+        if targets is not None and sizes is not None and sum(sizes) != target.shape[0]:
+            raise ValueError(
+                f"the target has {target.shape[0]} samples and the input {sum(sizes)}: give "
+                "Pipeline.step one target per sample of the batch")
         scales = _loss_scales(targets, self.chunks, sizes)
         self._runners = self._make_runners()
         schedule = self.schedule(training)

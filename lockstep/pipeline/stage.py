@@ -8,6 +8,7 @@ gradient of those inputs is what goes back to the stage before.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ import torch
 from torch import nn
 
 __all__ = ["StageRunner", "StageStats", "as_tensor_tuple"]
+
+# Errors that say a layer got a tensor of the wrong shape (a stage boundary in the wrong place).
+_SHAPE_ERROR = re.compile(r"shape|size|cannot be multiplied|dimension|mat1|mat2", re.IGNORECASE)
 
 
 def as_tensor_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -201,11 +205,12 @@ class StageRunner:
         except Exception as exc:
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             source = "the batch" if self.is_first else f"stage {self.index - 1}"
+            hint = (f" If these shapes are not what stage {self.index}'s first layer takes, the "
+                    "stage boundary is wrong: check the stage split (balance) and the layer sizes "
+                    "on both sides." if _SHAPE_ERROR.search(str(exc)) else "")
             raise RuntimeError(
                 f"pipeline stage {self.index} failed in forward on micro-batch {microbatch} with "
-                f"inputs of shapes [{shapes}] from {source}: {exc}. If these shapes are not what "
-                f"stage {self.index}'s first layer takes, the stage boundary is wrong: check the "
-                "stage split (balance) and the layer sizes on both sides."
+                f"inputs of shapes [{shapes}] from {source}: {type(exc).__name__}: {exc}.{hint}"
             ) from exc
 
     def _loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
@@ -213,7 +218,16 @@ class StageRunner:
         loss_fn = self.loss_fn
         if loss_fn is None:
             raise RuntimeError(f"stage {self.index} has no loss_fn to compute a loss with")
-        loss = loss_fn(output) if target is None else loss_fn(output, target)
+        try:
+            loss = loss_fn(output) if target is None else loss_fn(output, target)
+        except Exception as exc:
+            got = ", ".join(str(tuple(t.shape)) for t in outputs)
+            wanted = f" and a target of shape {tuple(target.shape)}" if torch.is_tensor(target) else ""
+            raise RuntimeError(
+                f"pipeline stage {self.index} (the last): loss_fn failed on outputs of shapes "
+                f"[{got}]{wanted}: {type(exc).__name__}: {exc}. The target is cut into "
+                "micro-batches like the input: give it the batch's samples along dimension 0."
+            ) from exc
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(
                 "loss_fn must return a single-element tensor (the micro-batch's mean loss), "
