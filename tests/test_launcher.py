@@ -55,6 +55,8 @@ def _args(*argv: str):
         (["--max-restarts", "-1", "JOB"], "--max-restarts -1: must be 0 or more"),
         (["--monitor-interval", "0", "JOB"], "--monitor-interval 0.0: must be positive"),
         (["no_such_script.py"], "training script 'no_such_script.py' does not exist"),
+        # Checked up front since 2026-11-29 (every worker started, then failed to import it).
+        (["-m", "no_such_module_xyz.train"], "-m no_such_module_xyz.train: no module named 'no_such"),
         (["--rdzv-endpoint", "host:port", "JOB"], "has a port 'port' that is not a number"),
         (["--rdzv-endpoint", "host:", "JOB"], "has a port '(empty)' that is not a number"),
         (["--rdzv-endpoint", ":29400", "JOB"], "':29400' has no valid host"),

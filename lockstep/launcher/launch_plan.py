@@ -8,6 +8,7 @@ value and what to do instead; a :class:`LaunchPlan` built by hand is checked the
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import os
 import sys
 import uuid
@@ -213,7 +214,10 @@ def _ranks_filter(text: str) -> frozenset[int] | None:
 
 def _check_script(args: argparse.Namespace) -> None:
     script = args.training_script
-    if args.module or args.no_python or os.path.isfile(script):
+    if args.module:
+        _check_module(script)
+        return
+    if args.no_python or os.path.isfile(script):
         return
     where = os.path.abspath(script)
     hint = " (it is a folder)" if os.path.isdir(script) else ""
@@ -444,3 +448,19 @@ def to_launch_config(plan: LaunchPlan, log_dir: str,
     if start_method:  # a function entry point's (lockstep.launcher.run): torch's default is spawn
         config.start_method = start_method
     return config
+
+
+def _check_module(name: str) -> None:
+    """Refuse ``-m NAME`` whose top-level package no worker could import, before any starts.
+
+    Only the top-level name is looked up (a dotted name's parents would be imported, running
+    their code in the launcher), on the path a worker's ``python -m`` gets: the working
+    directory first.
+    """
+    top = name.split(".")[0]
+    if not top or top in sys.builtin_module_names:
+        return
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+        raise ValueError(f"-m {name}: no module named {top!r} in the working directory "
+                         f"{os.getcwd()} or on the Python path (check the name, PYTHONPATH, or "
+                         "the folder you start from)")
