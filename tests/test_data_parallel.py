@@ -354,3 +354,87 @@ def test_balanced_loss_lowers_device0_peak_memory_against_torch():
     torch_peak = peak(lambda: nn.functional.cross_entropy(theirs(x), y))
     our_peak = peak(lambda: ours(x, targets=y))
     assert our_peak < torch_peak, (our_peak, torch_peak)
+
+
+# --- found by an outside audit (diag/dp7), 2026-11-29 -------------------------------------------
+
+
+def test_cached_replicas_follow_a_swapped_parameterless_child_and_deleted_attributes():
+    class Net(nn.Module):
+        scale = 1.0  # the class default, back in force once the instance attribute is deleted
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.act = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.lin(x)) * self.scale
+
+    model = Net().eval()
+    model.scale = 2.0
+    dp = DataParallel(model, CPU2)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        dp(x)
+        model.act = nn.Tanh().eval()  # no tensor changed, but the structure did
+        torch.testing.assert_close(dp(x), model(x))
+        del model.scale
+        torch.testing.assert_close(dp(x), model(x))
+
+
+def test_a_holder_of_the_wrapper_gets_torchs_keys_and_loads_them_back():
+    # A module holding the wrapper (AveragedModel, a container) gets torch's keys, module.
+    # included, as with lockstep's DDP; on its own the wrapper still gives the bare keys.
+    class Holder(nn.Module):
+        def __init__(self, dp: nn.Module) -> None:
+            super().__init__()
+            self.dp = dp
+
+    ours = Holder(DataParallel(nn.Linear(3, 2), CPU2))
+    theirs = Holder(nn.DataParallel(nn.Linear(3, 2)))
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == ["dp.module.weight", "dp.module.bias"]
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    assert torch.equal(theirs.dp.module.weight, ours.dp.module.weight)
+    assert list(ours.dp.state_dict()) == ["weight", "bias"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's old positional arguments
+        assert list(ours.dp.state_dict(None, "p.")) == list(theirs.dp.state_dict(None, "p."))
+
+
+def test_a_forward_that_writes_its_input_in_place_trains_like_the_bare_module():
+    # CPU chunks were views of one input sharing its version counter: ReLU(inplace=True) in one
+    # replica invalidated what the others saved for backward.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 3))
+    model = copy.deepcopy(ref)
+    x = torch.randn(7, 4)
+    ref(x.clone()).sum().backward()
+    DataParallel(model, CPU3)(x.clone()).sum().backward()
+    _check_same(_grads(model), _grads(ref))
+
+
+def test_graph_module_runs_under_the_wrapper():
+    import torch.fx
+
+    traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 2)))
+    x = torch.randn(6, 5)
+    torch.testing.assert_close(DataParallel(traced, CPU2)(x), traced(x))
+    with torch.no_grad():  # the cached replicas too
+        dp = DataParallel(traced.eval(), CPU2)
+        dp(x)
+        torch.testing.assert_close(dp(x), traced(x))
+
+
+def test_ignore_index_needs_a_sum_and_a_count_as_the_docs_say():
+    # docs/dataparallel.md: 'mean' weights replicas by samples, so ignored targets make it
+    # inexact (NaN when one replica's targets are all ignored); sum, then divide by the count.
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    x, y = torch.randn(9, 5), torch.randint(0, 3, (9,))
+    y[6:] = -100  # the last replica's chunk is all padding
+    want = nn.functional.cross_entropy(net(x), y)
+    assert torch.isnan(DataParallel(net, CPU3, loss_fn=nn.CrossEntropyLoss())(x, targets=y))
+    summed = DataParallel(net, CPU3, loss_fn=nn.CrossEntropyLoss(reduction="sum"))(x, targets=y)
+    torch.testing.assert_close(summed / (y != -100).sum(), want)

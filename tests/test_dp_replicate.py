@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +133,92 @@ def test_broadcast_sums_mixed_sparse_and_dense_gradients_and_skips_unused_copies
     torch.testing.assert_close(weight.grad, expected)
     assert not weight.grad.is_sparse  # a dense gradient joined: the sum is dense
     torch.testing.assert_close(unused.grad, torch.zeros(3))
+
+
+# --- found by an outside audit (diag/dp7), 2026-11-29 -------------------------------------------
+
+
+class _EMA(nn.Module):
+    """A buffer in the graph and another updated in place in forward (VQ-VAE's EMA codebook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+        return y
+
+
+class _IndexedBias(nn.Module):
+    """timm's LeViT: an int64 index buffer saved for backward, then BatchNorm's counter add_(1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5))
+        self.register_buffer("idx", torch.tensor([0, 1, 2, 3, 4, 3, 2, 1]))
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x) + self.table[self.idx])
+
+
+@pytest.mark.parametrize("make", [_EMA, _IndexedBias])
+def test_in_place_buffer_writes_leave_the_other_buffers_valid_for_backward(make):
+    # Replica buffers were views of one flat copy with one version counter, so writing one in
+    # place failed backward ("modified by an inplace operation"); torch's copies have their own.
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(8, model.lin.in_features)
+    replicas = replicate(model, CPU3)
+    sum(r(c).sum() for r, c in zip(replicas, x.chunk(3))).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    bufs = list(replicas[1].buffers())
+    before = [b._version for b in bufs]
+    bufs[0].add_(1)
+    assert [b._version for b in bufs][1:] == before[1:]
+    assert not any(b._is_view() for b in bufs)
+
+
+def test_replica_parameters_are_not_views_and_in_place_renorm_works():
+    # nn.Embedding(max_norm=...) renormalises its weight in place; on a view output of the
+    # broadcast that raised "Output 0 of _Broadcast is a view ... modified inplace".
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Linear(8, 2))
+
+    idx = torch.randint(0, 20, (9,), generator=torch.Generator().manual_seed(1))
+    ref = make()
+    ref(idx).sum().backward()
+    model = make()
+    replicas = replicate(model, CPU3)
+    assert not any(p._is_view() for r in replicas[1:] for p in r.parameters())
+    # No two replicas share memory, so one replica's in-place write cannot reach another.
+    ptrs = {p.data_ptr() for r in replicas for p in r.parameters()}
+    assert len(ptrs) == 3 * len(list(model.parameters()))
+    sum(r(c).sum() for r, c in zip(replicas, idx.chunk(3))).backward()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_graph_modules_replicate_through_torchs_hook():
+    # torch's replicate calls module._replicate_for_data_parallel(), which GraphModule overrides
+    # (its class, made per instance, holds the generated forward); type(m).__new__ alone failed.
+    import torch.fx
+
+    torch.manual_seed(0)
+    traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 2)))
+    ref = copy.deepcopy(traced)
+    x = torch.randn(6, 5)
+    replicas = replicate(traced, ["cpu", "cpu"])
+    out = torch.cat([r(c) for r, c in zip(replicas, x.chunk(2))])
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    ref(x).sum().backward()
+    for got, want in zip(traced.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)

@@ -118,3 +118,39 @@ def test_scatter_gather_on_gpus():
     out.sum().backward()
     assert out.device == devices[0] and torch.allclose(out.cpu(), x.detach() * 2)
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+# --- found by an outside audit (diag/dp7), 2026-11-29 -------------------------------------------
+
+
+def test_gather_looks_dict_keys_up_by_name():
+    # torch's gather takes replica 0's key order and looks the others up by name.
+    out = gather([{"a": torch.zeros(1), "b": torch.ones(1)}, {"b": torch.ones(2), "a": torch.zeros(2)}], "cpu")
+    assert list(out) == ["a", "b"]
+    assert torch.equal(out["a"], torch.zeros(3)) and torch.equal(out["b"], torch.ones(3))
+
+
+def test_gather_keeps_dataclass_fields_outside_init():
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        aux: torch.Tensor | None = dataclasses.field(init=False, default=None)
+
+    parts = []
+    for i in range(2):
+        part = Out(torch.full((2,), float(i)))
+        part.aux = torch.full((2,), float(i + 10))
+        parts.append(part)
+    out = gather(parts, "cpu")
+    assert torch.equal(out.aux, torch.tensor([10.0, 10.0, 11.0, 11.0]))
+
+
+def test_chunks_after_the_first_have_their_own_version_counter_while_grad_is_on():
+    x = torch.randn(6, 2)
+    pieces = scatter((x,), CPU3)
+    first, second, third = (p[0] for p in pieces)
+    second.add_(1)  # a forward writing its input in place
+    assert first._version == 0 and third._version == 0
+    assert first._base is x  # the first chunk stays a view, as on torch's device 0
+    with torch.no_grad():  # nothing to invalidate: no copies
+        assert all(p[0]._base is x for p in scatter((x,), CPU3))

@@ -14,6 +14,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.wrappers import called_by_holder
+
 __all__ = ["PersistentDDP"]
 
 _PREFIX = "module."
@@ -73,7 +75,7 @@ class PersistentDDP(nn.Module):
         ``load_state_dict`` walks the submodules, ``module`` among them, and could not load
         its own state dict back without it (until 2026-11-29).
         """
-        if args or (destination is not None and prefix):
+        if called_by_holder(args, destination, prefix):
             return super().state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -1,10 +1,17 @@
 """Copy tensors to several devices through one flat copy per device; backward sums the copies' gradients.
 
 This is the autograd side of :func:`lockstep.dp.replicate`: the replicas' parameters (and the
-buffers that require grad) are views of one flat copy per device, and the gradients that flow
-back into them are summed into the originals' gradients. Dense gradients travel back coalesced
-too (one flat copy per replica); sparse gradients (``nn.Embedding(sparse=True)``) are summed as
-sparse tensors, so the original's ``.grad`` stays sparse as it would without DataParallel.
+buffers that require grad) lie in one flat copy per device, and the gradients that flow back
+into them are summed into the originals' gradients. Each copy is a tensor of its own over its
+piece of that flat copy, not a view of it: it has its own version counter, as the outputs of
+torch's ``comm.broadcast_coalesced`` do (NOTE [ Version Counter in comm.*_coalesced ] in
+torch/csrc/cuda/comm.cpp), so an in-place write to one copy in forward (BatchNorm's
+``num_batches_tracked``, an EMA buffer, ``nn.Embedding(max_norm=...)``) neither invalidates the
+others that autograd saved nor trips autograd's rule against modifying a custom Function's view
+outputs (until 2026-11-29 they were views, and such forwards failed at backward). Dense
+gradients travel back coalesced too (one flat copy per replica); sparse gradients
+(``nn.Embedding(sparse=True)``) are summed as sparse tensors, so the original's ``.grad`` stays
+sparse as it would without DataParallel.
 
 The backward is written with ordinary differentiable operations, so ``create_graph=True``
 (double backward, e.g. a gradient penalty) works through the copies.
@@ -31,9 +38,9 @@ def broadcast_coalesced(
     Args:
         tensors: the originals, one dtype, one device.
         devices: where copies go; a device may repeat.
-        share_same_device: copies on the originals' own device are views of the one flat
-            concatenation (made anyway) rather than a further copy of it; pass False for
-            tensors that replicas modify in place, so each replica owns its own.
+        share_same_device: the first copy on the originals' own device lies in the one flat
+            concatenation (made anyway) rather than a further copy of it; further copies on
+            that device get memory of their own, so no two replicas share memory.
     """
     if not tensors:
         return [[] for _ in devices]
@@ -54,10 +61,14 @@ def _copies(
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     numels = [t.numel() for t in tensors]
     out: list[torch.Tensor] = []
+    reusable = share_same_device
     for dev in devices:
-        reuse = share_same_device and dev == flat.device
+        reuse = reusable and dev == flat.device
+        reusable = reusable and not reuse  # a second replica on this device gets its own memory
         copy = flat if reuse else flat.to(dev, non_blocking=True, copy=True)
-        out.extend(piece.view(t.shape) for piece, t in zip(copy.split(numels), tensors))
+        # ``.data``: the same memory as the piece, but a tensor of its own (not a view) with a
+        # version counter of its own; costs one tensor object, no copy.
+        out.extend(piece.view(t.shape).data for piece, t in zip(copy.split(numels), tensors))
     return tuple(out)
 
 

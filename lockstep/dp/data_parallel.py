@@ -43,6 +43,7 @@ from lockstep.dp.replica_cache import ReplicaCache, cacheable
 from lockstep.dp.replicate import check_module_device, replicate
 from lockstep.dp.scatter_gather import gather, named_tensors, scatter_kwargs
 from lockstep.tensors import batch_size, iter_tensors, move_to
+from lockstep.wrappers import called_by_holder
 
 __all__ = ["DataParallel", "resolve_device_ids"]
 
@@ -315,9 +316,20 @@ class DataParallel(nn.Module):
         self._model_cache.clear()
         self._loss_cache.clear()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped module's state_dict, without a ``module.`` prefix."""
-        return self.module.state_dict(*args, **kwargs)
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The wrapped module's state_dict, without a ``module.`` prefix.
+
+        Called by a module that holds this one (a container, ``AveragedModel``, passing its
+        ``destination`` and a prefix) or with torch's old positional arguments, it gives torch's
+        keys, ``module.`` included (``holder.dp.module.weight``), as lockstep's DDP does (until
+        2026-11-29 the holder's keys lacked it and did not load into torch's DataParallel).
+        """
+        if called_by_holder(args, destination, prefix):
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # Accept both the bare module's keys and the wrapper's ``module.``-prefixed ones: rename

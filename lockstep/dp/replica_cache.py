@@ -4,9 +4,10 @@ Torch's DataParallel copies every parameter to every device at every forward, ev
 ``torch.no_grad()`` where nothing needs a fresh autograd graph. Here the replicas built without
 autograd are kept, keyed by each parameter's and buffer's identity, storage and version counter
 (bumped by every in-place update: optimizer steps, ``load_state_dict``, BatchNorm statistics)
-and by the train/eval flags, and rebuilt only when that key changes.
+and by each submodule's identity and train/eval flag, and rebuilt only when that key changes.
 
-Plain attributes (a temperature, an ``eps``) are copied again from the module at every reuse.
+Plain attributes (a temperature, an ``eps``) set on or deleted from the module since are
+brought to the replicas at every reuse.
 A module holding inference tensors (made under ``torch.inference_mode()``, which keep no
 version counter) is not cached. Limit: writes through ``tensor.data`` do not bump the version
 counter; call :meth:`clear` after such a write (or build the wrapper with ``cache_replicas=False``).
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from lockstep._torch_compat import tensor_version
-from lockstep.dp.replicate import module_pairs, refresh_attributes, replicate
+from lockstep.dp.replicate import attribute_snapshots, module_pairs, refresh_attributes, replicate
 
 __all__ = ["ReplicaCache", "cacheable", "state_key"]
 
@@ -38,7 +39,11 @@ def state_key(module: nn.Module) -> tuple[Any, ...]:
     tensors = tuple(
         (id(t), t.data_ptr(), tensor_version(t)) for t in [*module.parameters(), *module.buffers()]
     )
-    return tensors, tuple(m.training for m in module.modules())
+    # Each submodule's identity with its flag: a child replaced by another (an activation
+    # swapped for an ablation) changes the key even when neither holds tensors (until
+    # 2026-11-29 a parameterless one was missed). The cache's pairs hold the old modules, so
+    # their ids cannot be reused while the key is kept.
+    return tensors, tuple((id(m), m.training) for m in module.modules())
 
 
 class ReplicaCache:
@@ -48,6 +53,7 @@ class ReplicaCache:
         self._key: tuple[Any, ...] | None = None
         self._replicas: list[nn.Module] = []
         self._pairs: list[tuple[nn.Module, nn.Module]] = []  # (original, copy), copies only
+        self._seen: list[dict[str, Any]] = []  # each original's attributes when last looked at
 
     def get(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
         """Replicas of ``module`` on ``devices`` (detached), reusing the last ones if still current."""
@@ -57,9 +63,10 @@ class ReplicaCache:
             self._replicas = replicate(module, devices, detach=True)
             self._pairs = [pair for replica in self._replicas if replica is not module
                            for pair in module_pairs(module, replica)]
+            self._seen = attribute_snapshots(self._pairs)
             self._key = key
-        else:  # the same tensors: plain attributes set since (a temperature, an eps) follow
-            refresh_attributes(self._pairs)
+        else:  # the same tensors: plain attributes set or deleted since (a temperature) follow
+            refresh_attributes(self._pairs, self._seen)
         return self._replicas
 
     def clear(self) -> None:
@@ -67,3 +74,4 @@ class ReplicaCache:
         self._key = None
         self._replicas = []
         self._pairs = []
+        self._seen = []

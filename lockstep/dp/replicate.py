@@ -3,7 +3,7 @@
 The first replica is the module itself: it already lives on the first device, and its buffers
 are the originals, so in-place buffer updates (BatchNorm running statistics) land in the module
 from the first replica only, as with torch's DataParallel. Every other replica is a shallow copy
-of each submodule whose parameters are views of one flat copy per dtype: the module's
+of each submodule whose parameters lie in one flat copy per dtype: the module's
 parameters are concatenated once and that buffer is copied once per device, so a model of a
 thousand tensors costs one copy per device, not a thousand (:mod:`lockstep.dp.broadcast`).
 Backward through any replica sums its gradients into the original parameters' ``.grad``, sparse
@@ -13,10 +13,11 @@ are copied without it. Slots registered as None (``bias=False``) stay None in th
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,7 +26,13 @@ from lockstep._torch_compat import refresh_rnn_flat_weights
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
-__all__ = ["check_module_device", "module_pairs", "refresh_attributes", "replicate"]
+__all__ = [
+    "attribute_snapshots",
+    "check_module_device",
+    "module_pairs",
+    "refresh_attributes",
+    "replicate",
+]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -62,9 +69,10 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
     unique_params = list({id(t): t for _, _, t in params}.values())
     unique_buffers = list({id(t): t for _, _, t in buffers}.values())
     param_copies = _copy_coalesced(unique_params, devs[1:], share_same_device=True, detach=detach)
-    # Buffers are mutated in place by some forwards, so replicas on one device need their own.
+    # Buffers are mutated in place by some forwards: every replica's copies lie in memory of
+    # their own (broadcast_coalesced gives a second replica on one device its own flat copy).
     # Those that require grad stay in the graph, as torch's replicate keeps them.
-    buffer_copies = _copy_coalesced(unique_buffers, devs[1:], share_same_device=False, detach=detach)
+    buffer_copies = _copy_coalesced(unique_buffers, devs[1:], share_same_device=True, detach=detach)
     replicas: list[M] = [network]
     for k in range(len(devs) - 1):
         clones = {id(m): _shallow_copy(m) for m in modules}
@@ -114,6 +122,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 _OWN = frozenset({"_parameters", "_buffers", "_modules"})
+_MISSING = object()
 
 
 def module_pairs(network: nn.Module, replica: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -121,33 +130,61 @@ def module_pairs(network: nn.Module, replica: nn.Module) -> list[tuple[nn.Module
     return list(zip(network.modules(), replica.modules()))
 
 
-def refresh_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None:
-    """Give each replica module of ``pairs`` (:func:`module_pairs`) the plain attributes its
-    original has now.
+def refresh_attributes(
+    pairs: Sequence[tuple[nn.Module, nn.Module]], seen: Sequence[dict[str, Any]]
+) -> None:
+    """Bring the plain attributes set on (or deleted from) each original of ``pairs``
+    (:func:`module_pairs`) since ``seen`` (the originals' ``__dict__`` copies,
+    :func:`attribute_snapshots`) to its replica, and update ``seen``.
 
     A replica kept between forwards (``lockstep.dp.replica_cache``) took a copy of each
     module's attributes when it was made; a temperature, an ``eps`` or a flag set since must
-    reach it as they reach the module. Its own tensors and children stay.
+    reach it as they reach the module, and a deleted one must go (so the class default applies
+    again; until 2026-11-29 it stayed). Comparing with what the original held, not with the
+    replica, leaves alone what the replica made differently (a GraphModule's own code). Its own
+    tensors and children stay.
     """
-    for original, clone in pairs:
-        theirs, mine = original.__dict__, clone.__dict__
-        # Fast path, at C speed: the same keys in the same order (a copy) and only the three
-        # own slots differ, as when nothing was set since the last look.
-        if len(theirs) == len(mine) and sum(map(operator.is_not, theirs.values(),
-                                                 mine.values())) == len(_OWN):
+    for (original, clone), before in zip(pairs, seen):
+        now = original.__dict__
+        # Fast path, at C speed: the same values in the same places, as when nothing was set
+        # since. A changed key set of the same size needs a key inserted since, and insertion
+        # order puts it last: the last key stands for the keys at O(1).
+        if len(now) == len(before) and next(reversed(now), None) == next(reversed(before), None) \
+                and not any(map(operator.is_not, now.values(), before.values())):
             continue
-        changed = [name for name, value in theirs.items()
-                   if mine.get(name) is not value and name not in _OWN]
-        if changed:
-            for name in changed:
-                mine[name] = theirs[name]
+        changed = [name for name, value in now.items()
+                   if before.get(name, _MISSING) is not value and name not in _OWN]
+        deleted = [name for name in before if name not in now and name not in _OWN]
+        mine = clone.__dict__
+        for name in changed:
+            mine[name] = now[name]
+        for name in deleted:
+            mine.pop(name, None)
+        before.clear()
+        before.update(now)
+        if changed or deleted:
             _refresh_cached_references(clone)
 
 
+def attribute_snapshots(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> list[dict[str, Any]]:
+    """A copy of each original's ``__dict__``, for :func:`refresh_attributes`."""
+    return [dict(original.__dict__) for original, _ in pairs]
+
+
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing ``module``'s attributes, hooks and class, with fresh slots."""
-    clone = module.__new__(type(module))
-    clone.__dict__ = module.__dict__.copy()
+    """A new module object sharing ``module``'s attributes, hooks and class, with fresh slots.
+
+    A ``torch.fx.GraphModule`` is copied through its ``__copy__``, as torch's replicate does
+    through the module's replicate hook, which GraphModule overrides with that copy: its class,
+    made per instance, holds the generated forward that ``__new__`` alone would not (until
+    2026-11-29 a GraphModule could not be replicated).
+    """
+    clone: nn.Module
+    if isinstance(module, torch.fx.GraphModule):
+        clone = copy.copy(module)
+    else:  # what torch's default hook does, without the slot copies replaced below anyway
+        clone = module.__new__(type(module))
+        clone.__dict__ = module.__dict__.copy()
     # Slots registered as None (``bias=False``) stay, as None, in the original order: modules
     # read ``self.bias`` in forward. replicate() fills in the others.
     clone._parameters = OrderedDict.fromkeys(module._parameters)

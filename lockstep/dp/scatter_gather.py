@@ -10,6 +10,7 @@ and gather's walk over every replica's output at once, which also names the path
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -51,12 +52,13 @@ def _rebuild(obj: Any, fn: Callable[[str, Any, Any], Any]) -> Any:
         except TypeError:  # a mapping type whose constructor wants more (defaultdict...)
             return items
     if _is_dataclass_instance(obj):
-        changes = {
-            f.name: fn(f".{f.name}", f.name, getattr(obj, f.name))
-            for f in dataclasses.fields(obj)
-            if f.init
-        }
-        return dataclasses.replace(obj, **changes)
+        # A copy with every field rebuilt, init=False ones too (as lockstep.tensors does):
+        # dataclasses.replace would reset those (until 2026-11-29 gather dropped them).
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(new, f.name, fn(f".{f.name}", f.name, getattr(obj, f.name)))
+        return new
     return obj
 
 
@@ -166,9 +168,17 @@ def scatter_kwargs(
 
 
 def _piece(obj: Any, index: int, n: int, device: torch.device, dim: int) -> Any:
+    # Chunks after the first that stay on their tensor's device (a CPU list, a repeated GPU)
+    # are copied while autograd records: views of one input share its version counter, so a
+    # forward that writes its input in place (ReLU(inplace=True) first) would invalidate what
+    # the other replicas saved. torch's chunks on other GPUs are copies too; the first stays a
+    # view, as torch's does. Until 2026-11-29 every chunk was a view and such forwards failed.
+    own_memory = index > 0 and torch.is_grad_enabled()
+
     def chunk(tensor: torch.Tensor) -> torch.Tensor:
         part = tensor if tensor.dim() == 0 else torch.tensor_split(tensor, n, dim)[index]
-        return part.to(device, non_blocking=True)
+        moved = part.to(device, non_blocking=True)
+        return moved.clone() if own_memory and moved is part and tensor.dim() else moved
 
     return map_tensors(obj, chunk)
 
@@ -234,7 +244,9 @@ def _check_same_shape(values: list[Any], path: str) -> None:
                 f"replica 0 returned {type(first).__name__} at {path} but replica {i} returned "
                 f"{type(v).__name__}; forward must return the same structure on every replica"
             )
-        if isinstance(first, dict) and list(v) != list(first):
+        # Keys are looked up by name, in replica 0's order, as torch's gather does: the same
+        # keys inserted in another order are fine (until 2026-11-29 they raised).
+        if isinstance(first, dict) and v.keys() != first.keys():
             raise ValueError(
                 f"replicas returned different keys at {path}: {list(first)} vs {list(v)}"
             )
