@@ -41,6 +41,7 @@ __all__ = [
     "queue_callback",
     "refresh_rnn_flat_weights",
     "rendezvous_internals",
+    "replica_of",
     "set_ddp_ignored_names",
     "tensor_version",
     "unflatten_dense_tensors",
@@ -194,6 +195,21 @@ def refresh_rnn_flat_weights(module: nn.Module) -> None:
     except AttributeError as err:
         raise _missing("nn.RNNBase._flat_weights_names", "replicate an RNN", err) from err
     module.__dict__["_flat_weights"] = [module._parameters.get(name) for name in names]
+
+
+def replica_of(module: nn.Module) -> nn.Module | None:
+    """A DataParallel replica of ``module`` made by its own class's replicate hook, or None.
+
+    torch's ``replicate`` makes every replica through ``Module._replicate_for_data_parallel``;
+    a class that overrides it (``torch.fx.GraphModule``, whose forward lives in a class made
+    per instance; user modules with state of their own) needs its override called. None for a
+    class that keeps torch's default (lockstep makes that copy itself) or a torch without it.
+    """
+    base = getattr(nn.Module, "_replicate_for_data_parallel", None)
+    own = getattr(type(module), "_replicate_for_data_parallel", None)
+    if base is None or own is None or own is base:
+        return None
+    return own(module)
 
 
 # ---- process groups -----------------------------------------------------------------------

@@ -222,3 +222,25 @@ def test_graph_modules_replicate_through_torchs_hook():
     ref(x).sum().backward()
     for got, want in zip(traced.parameters(), ref.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_a_modules_own_replicate_hook_is_called_as_torch_calls_it():
+    """A class overriding torch's replicate hook gets it called for each replica (torch's
+    replicate does); lockstep ignored such hooks until 2026-11-29."""
+
+    class Counted(nn.Linear):
+        def _replicate_for_data_parallel(self):
+            replica = super()._replicate_for_data_parallel()
+            replica.made_by_hook = True
+            return replica
+
+        def forward(self, x):
+            return super().forward(x) * (2.0 if getattr(self, "made_by_hook", False) else 1.0)
+
+    torch.manual_seed(0)
+    model = Counted(4, 3)
+    x = torch.randn(6, 4)
+    replicas = replicate(model, ["cpu", "cpu"])
+    assert replicas[0] is model  # lockstep's first replica is the module itself (docs)
+    assert getattr(replicas[1], "made_by_hook", False)
+    torch.testing.assert_close(replicas[1](x), 2 * nn.functional.linear(x, model.weight, model.bias))

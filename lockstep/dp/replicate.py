@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lockstep._torch_compat import refresh_rnn_flat_weights
+from lockstep._torch_compat import refresh_rnn_flat_weights, replica_of
 from lockstep.dp.broadcast import broadcast_coalesced
 from lockstep.dp.devices import DeviceLike, as_device
 
@@ -174,13 +174,16 @@ def attribute_snapshots(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> list[di
 def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing ``module``'s attributes, hooks and class, with fresh slots.
 
-    A ``torch.fx.GraphModule`` is copied through its ``__copy__``, as torch's replicate does
-    through the module's replicate hook, which GraphModule overrides with that copy: its class,
-    made per instance, holds the generated forward that ``__new__`` alone would not (until
-    2026-11-29 a GraphModule could not be replicated).
+    A class that overrides torch's replicate hook (``_replicate_for_data_parallel``) is copied
+    through it, as torch's replicate does: ``torch.fx.GraphModule`` copies itself there, its
+    class, made per instance, holding the generated forward that ``__new__`` alone would not
+    (until 2026-11-29 a GraphModule could not be replicated, and such hooks were not called).
     """
     clone: nn.Module
-    if isinstance(module, torch.fx.GraphModule):
+    custom = replica_of(module)  # a class's own replicate hook (GraphModule's, a user's)
+    if custom is not None:
+        clone = custom
+    elif isinstance(module, torch.fx.GraphModule):
         clone = copy.copy(module)
     else:  # what torch's default hook does, without the slot copies replaced below anyway
         clone = module.__new__(type(module))
