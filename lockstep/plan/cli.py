@@ -65,9 +65,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default=None,
                         help="INTRA[:GPUS_PER_NODE][,INTER[xNICS]], presets or ALPHA@BW, e.g. "
                         "nvlink4:8,ib-ndr400 (default), pcie4:4,roce25x1, measured:8,eth100")
-    parser.add_argument("--link-efficiency", type=float, default=1.0,
-                        help="share of the line rate the collectives achieve; given, it replaces "
-                        "the transports' achievable-bandwidth ranges (and the intervals)")
+    parser.add_argument("--link-efficiency", type=float, default=None,
+                        help="share of the line rate the collectives achieve (0 < E <= 1); given "
+                        "(1.0 included), it replaces the transports' achievable-bandwidth ranges "
+                        "(and the intervals)")
     parser.add_argument("--no-intervals", action="store_true",
                         help="the line-rate lower bound only (no transport efficiency, no wait "
                         "for the slowest rank, no ranges)")
@@ -121,6 +122,11 @@ def _workload(args: argparse.Namespace):  # -> Workload
     if args.params is None:
         raise ValueError("give a profile.json, or --params with --step-time or "
                          "--flops-per-sample and --gpu-tflops for a what-if")
+    if args.step_time is None and args.flops_per_sample is None:
+        raise ValueError("--params needs the compute of a step: --step-time SECONDS (forward + "
+                         "backward of one GPU), or --flops-per-sample F with --gpu-tflops T")
+    if args.flops_per_sample is not None and args.gpu_tflops is None:
+        raise ValueError("--flops-per-sample needs --gpu-tflops, the peak TFLOP/s of one GPU")
     if args.step_time is not None and args.mfu is not None:
         raise ValueError("--mfu sets the time from --flops-per-sample and --gpu-tflops; with a "
                          "measured --step-time it would not be used: give one or the other")
@@ -165,13 +171,15 @@ def run_plan(args: argparse.Namespace) -> int:
             copy_rate = measure_copy_rate()
             print(f"measured a plain copy of 32 MiB here at {copy_rate / 1e9:.1f} GB/s (read + "
                   "write): the optimistic end of the bucket copies' rate", file=sys.stderr)
-        topology = _topology(args, workload, measured).scaled(args.link_efficiency)
+        topology = _topology(args, workload, measured)
+        if args.link_efficiency is not None:  # until 2026-11-29 an explicit 1.0 was ignored
+            topology = topology.scaled(args.link_efficiency)
         options = PlanOptions(
             optimizer=args.optimizer,
             mixed_precision=None if args.precision == "auto" else args.precision == "mixed",
             gpu_memory=args.gpu_memory * 1e9 if args.gpu_memory else None,
             cpu_cores=args.cpu_cores, copy_rate=copy_rate)
-        ranged = not args.no_intervals and args.link_efficiency == 1.0
+        ranged = not args.no_intervals and args.link_efficiency is None
         result = plan(workload, topology, args.gpus, args.strategies, options, intervals=ranged)
     except (ValueError, OSError) as err:
         print(f"lockstep plan: error: {err}", file=sys.stderr)

@@ -4,7 +4,8 @@ Each uncertain input has a range (:mod:`lockstep.plan.transports`: achievable li
 per-message cost; :mod:`lockstep.plan.stragglers`: the ranks' step-time spread). The step is
 predicted with every input at its optimistic end, at its expected value and at its pessimistic
 end; the efficiency range is the step range inverted. The *dominant* input is the one whose swing
-alone, from expected to pessimistic with the others at expected, moves the step the most.
+alone, from expected to pessimistic with the others at expected, moves the step the most
+(:data:`NO_SWING` when none moves it).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from lockstep.plan.strategies import Strategy
 from lockstep.plan.transports import TRANSPORTS, Transport
 from lockstep.plan.workload import Workload
 
-__all__ = ["INPUTS", "Interval", "predict_interval"]
+__all__ = ["INPUTS", "NO_SWING", "Interval", "predict_interval"]
 
 INPUTS = ("link efficiency", "per-message cost", "step-time spread")
+# The dominant input when no input moves the step (until 2026-11-29: "link efficiency").
+NO_SWING = "none"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def predict_interval(workload: Workload, topo: Topology, world: int, strategy: S
     swings = {name: _swing(workload, topo, world, strategy, options, name) - mid.step_s
               for name in INPUTS}
     dominant = max(swings, key=lambda k: swings[k])
+    if not swings[dominant] > 1e-9 * mid.step_s:  # nothing swings (one GPU; literal links...)
+        dominant = NO_SWING
     return Interval(mid, min(low.step_s, mid.step_s), max(high.step_s, mid.step_s), dominant,
                     swings)
 

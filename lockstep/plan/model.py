@@ -70,9 +70,9 @@ class PlanOptions:
         copy_rate: bytes/s of a plain copy on the ranks' device, read and write counted
             (:func:`~lockstep.plan.measure.measure_copy_rate`; ``lockstep plan --measure-link``
             measures it for a CPU profile). DDP's bucket copies go no faster, so for a CPU
-            profile at ``bound="optimistic"`` they are priced at it instead of the default 5
-            GB/s (which stands for all of a bucket's per-byte CPU work: docs/plan.md).
-            ``None``: not measured.
+            profile at ``bound="optimistic"`` they are priced at the faster of it and the default
+            5 GB/s (which stands for all of a bucket's per-byte CPU work: docs/plan.md), so that
+            end is never slower than the point. ``None``: not measured.
     """
 
     optimizer: str = "adam"
@@ -159,13 +159,20 @@ def simulate_buckets(ready: list[float], cost: list[float], encode: list[float] 
 
 
 def codec_bandwidth(workload: Workload, options: PlanOptions) -> float:
-    """Bytes/s of a bucket's copies (into the flat bucket and back): ``options``' own rate, the
-    measured ``copy_rate`` at the optimistic bound, or the device's default."""
+    """Bytes/s of a bucket's copies (into the flat bucket and back): ``options``' own rate, else
+    the device's default; for a CPU profile at the optimistic bound, the faster of the default and
+    the measured ``copy_rate``.
+
+    The optimistic end must never be slower than the point: a copy measured below the 5 GB/s
+    default (a busy machine) leaves that end at the default (until 2026-11-29 it was used as
+    measured, and the "optimistic" step came out slower than the expected one).
+    """
     if options.codec_bandwidth is not None:
         return options.codec_bandwidth
+    default = 2e12 if workload.device == "cuda" else 5e9
     if options.bound == "optimistic" and options.copy_rate is not None and workload.device == "cpu":
-        return options.copy_rate
-    return 2e12 if workload.device == "cuda" else 5e9
+        return max(options.copy_rate, default)
+    return default
 
 
 def _backward_comm(workload: Workload, topo: Topology, world: int, strategy: Strategy,
@@ -290,6 +297,8 @@ def predict(workload: Workload, topo: Topology, world: int, strategy: Strategy,
         binding = f"the slowest of {world} ranks"
     if shared is not None and shared >= step and fits:
         binding = f"cpu cores ({per_node} ranks on {options.cpu_cores})"
+    if shared is not None and shared >= step:
+        wait = 0.0  # the core-seconds bound replaced the step: no wait for the slowest rank is in it
     algorithm = max(all_costs, key=lambda c: c.seconds).algorithm if all_costs else "none"
     return Prediction(
         strategy=strategy.name, gpus=world, nodes=nodes, step_s=step,

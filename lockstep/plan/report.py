@@ -33,8 +33,12 @@ def _range(p) -> str:  # p: Prediction
     d = p.detail
     if "efficiency_low" not in d:
         return ""
+    if d["dominant_input"] != "none":
+        source = f"range from {d['dominant_input']}"
+    else:  # no input moves the step towards its pessimistic end
+        source = "no range" if d["step_low_s"] >= d["step_high_s"] else "nothing dominates"
     return (f"  [eff {d['efficiency_low'] * 100:.0f}-{d['efficiency_high'] * 100:.0f}%, "
-            f"wait for slowest {d['straggler_s'] * 1e3:.2f} ms, range from {d['dominant_input']}]")
+            f"wait for slowest {d['straggler_s'] * 1e3:.2f} ms, {source}]")
 
 
 def format_table(plan: PlanLike) -> str:

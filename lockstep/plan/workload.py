@@ -79,6 +79,12 @@ class Workload:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} time must be a finite number of seconds >= 0, got "
                                  f"{getattr(self, name)}")
+        if not self.forward + self.backward > 0:
+            raise ValueError("forward and backward times are both 0: a step with no compute has "
+                             "nothing to scale (give the measured seconds of one step)")
+        if not math.isfinite(self.compute):
+            raise ValueError(f"the step's phases sum to {self.compute} seconds (each finite, the "
+                             "total overflows): give the measured seconds of one step")
         if self.batch_size is not None and not (type(self.batch_size) is int and self.batch_size > 0):
             raise ValueError(f"batch size must be a positive int, got {self.batch_size!r}")
         if not all(math.isfinite(b) and b >= 0 for b in self.buffer_broadcasts):
@@ -97,13 +103,17 @@ class Workload:
         return self.data + self.forward + self.backward + self.optimizer + self.other
 
     def with_batch(self, batch_size: int) -> Workload:
-        """The same model at another per-GPU batch: data, forward and backward scale linearly."""
+        """The same model at another per-GPU batch: data, forward and backward scale linearly.
+
+        The optimizer and ``other`` (Python between the phases, ``zero_grad``, hooks: work per
+        step or per parameter, not per sample) stay as measured. Until 2026-11-29 ``other`` was
+        rescaled too.
+        """
         if self.batch_size is None:
             raise ValueError("this workload has no batch size; cannot rescale it")
         k = batch_size / self.batch_size
         buckets = tuple(Bucket(b.nbytes, b.ready * k) for b in self.buckets)
         return replace(self, batch_size=batch_size, data=self.data * k, forward=self.forward * k,
-                       other=self.other * k,
                        backward=self.backward * k, buckets=buckets)
 
 
@@ -286,9 +296,12 @@ def load_profile(path: str | Path) -> Workload:
     if not isinstance(device, str):
         raise ProfileError(f"{path}: field device must be a string such as 'cuda:0' or 'cpu', got {device!r}")
     known = sum(times.values())
+    _check_phases(times, known, path)
     # The step's wall time beyond the named phases (Python between them, zero_grad, hooks).
     other = max(0.0, _number(phases.get("step", known), "phases.step", path) - known)
     notes: tuple[str, ...] = ()
+    buckets, late = _clamped(_checked(buckets, path), times["backward"], path)
+    notes += late
     if not buckets:
         notes += (("synthetic buckets: the profile lists none (world 1?), so DDP's 1 MB + 25 MB "
                    "buckets are assumed, ready uniformly over backward"),)
@@ -300,7 +313,7 @@ def load_profile(path: str | Path) -> Workload:
         parameters=int(trainable), grad_dtype=dtype,
         forward=times["forward"], backward=times["backward"],
         optimizer=times["optimizer"], data=times["data"],
-        other=other, batch_size=batch, buckets=_checked(buckets, path),
+        other=other, batch_size=batch, buckets=buckets,
         device=device.split(":")[0], source=path, link=link, notes=notes,
         buffer_broadcasts=broadcasts or (), step_cv=_per_rank_cv(doc, path),
     )
@@ -359,3 +372,32 @@ def _checked(buckets: tuple[Bucket, ...], path: str) -> tuple[Bucket, ...]:
             raise ProfileError(f"{path}: buckets[{i}] has bytes={b.nbytes}, ready={b.ready}; "
                                "both must be finite and >= 0")
     return buckets
+
+
+def _check_phases(times: dict[str, float], known: float, path: str) -> None:
+    """Refuse phases a step cannot have: no compute at all, or a total that overflows."""
+    if not times["forward"] + times["backward"] > 0:
+        raise ProfileError(f"{path}: fields phases.forward and phases.backward are both 0: a step "
+                           "with no compute has nothing to plan (is this the profile of a training "
+                           "run? docs/profile-format.md)")
+    if not math.isfinite(known):
+        named = ", ".join(f"{k} {v:g}" for k, v in times.items() if v)
+        raise ProfileError(f"{path}: the phases sum to {known} seconds ({named}): each is finite, "
+                           "their total overflows; the profile's times are seconds per step")
+
+
+def _clamped(buckets: tuple[Bucket, ...], backward: float, path: str
+             ) -> tuple[tuple[Bucket, ...], tuple[str, ...]]:
+    """Buckets ready after backward ends, moved to its end, with a note naming them.
+
+    A gradient cannot be ready after backward's compute: such a time is a mean over other steps
+    than ``phases.backward``'s, or a broken profile; priced as is, it would hold the whole step.
+    """
+    late = [i for i, b in enumerate(buckets) if b.ready > backward]
+    if not late:
+        return buckets, ()
+    worst = max(buckets[i].ready for i in late)
+    note = (f"{path}: {len(late)} bucket(s) (buckets[{late[0]}]"
+            f"{', ...' if len(late) > 1 else ''}) ready after backward ends (up to {worst:g} s, "
+            f"backward {backward:g} s): clamped to the end of backward; check the profile")
+    return tuple(Bucket(b.nbytes, min(b.ready, backward)) for b in buckets), (note,)
