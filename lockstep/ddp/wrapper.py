@@ -494,6 +494,10 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             # A world of one reduces nothing, but a hook may change the gradients (clipping,
             # compression's rounding, PowerSGD's error feedback): torch runs it there too.
             self._reducer = self._new_reducer()
+            self._reducer.clock = self._clock  # a profile already on: the reducer marks it now
+            if self._arrivals is not None:  # it stood in for the absent reducer's bucket marks
+                self._arrivals.remove()
+                self._arrivals = None
         if self._reducer is not None:
             self._reducer.comm_hook, self._reducer.comm_state = returns_future(hook), state
 
