@@ -583,6 +583,28 @@ def _check_different_models(rank: int, size: int, out: dict) -> None:
     out["different_models"] = str(caught.value)
 
 
+def _check_forward_after_shards_changed(rank: int, size: int, out: dict) -> None:
+    """The root stays gathered after a forward no backward follows; shards changed in between
+    (an EMA teacher's update, a load into the model) must reach the next forward. Until
+    2026-11-29 that forward used the stale gather, silently."""
+    ref, model = _model(), _model()
+    _shard(model)
+    x, _ = _batches(1)[0]
+    drift = 0.0
+    for _ in range(3):  # an EMA teacher: forward under no_grad, then an in-place update
+        with torch.no_grad():
+            drift = max(drift, (model(x) - ref(x)).abs().max().item())
+            for mine, theirs in zip(model.parameters(), ref.parameters()):
+                mine.mul_(0.5)
+                theirs.mul_(0.5)
+    with torch.no_grad():
+        other = _model()
+        other.norm.weight.add_(1.0)  # a root parameter
+        ModelState(model).load_state_dict(other.state_dict())
+        drift = max(drift, (model(x) - other(x)).abs().max().item())
+    out["forward_after_shards_changed"] = drift
+
+
 def fsdp_worker(rank: int) -> dict:
     lockstep.init_distributed()
     size = dist.get_world_size()
@@ -597,6 +619,7 @@ def fsdp_worker(rank: int) -> dict:
     _check_without_tensor_collectives(rank, size, out)
     _check_clip(rank, size, out)
     _check_mixed_precision(rank, size, out)
+    _check_forward_after_shards_changed(rank, size, out)
     return out
 
 
@@ -606,7 +629,7 @@ def test_equivalence_with_one_process(world):
     outs = lockstep.spawn(fsdp_worker, world, timeout=120)
     for out in outs:
         for key in ("adamw", "adamw_frozen", "adamw_keep", "adamw_fallback", "no_sync",
-                    "freeze_after_shard", "recomputed"):
+                    "freeze_after_shard", "recomputed", "forward_after_shards_changed"):
             assert out[key] < TOL, (key, out[key])
         assert out["clip"] < TOL, out["clip"]
         # both blocks' reduce-scatters were in flight while backward went on (overlap)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep._torch_compat import tensor_version
 from lockstep.fsdp import collectives
 from lockstep.fsdp.registry import mark_shard
 
@@ -173,6 +174,11 @@ class FlatShard:
             full = slot.full
             full.untyped_storage().resize_(slot.numel * full.element_size())
             full.data.copy_(value.view(slot.shape))
+
+    def shard_versions(self) -> tuple[int, ...]:
+        """The shards' version counters: any in-place change (an optimizer step, an EMA update,
+        ``load_state_dict``, a copy into ``parameters()``) moves one."""
+        return tuple(tensor_version(s.shard) for s in self.slots)
 
     def free_full(self) -> None:
         """Release the full tensors' memory; autograd keeps the (empty) tensors it saved."""

@@ -126,6 +126,7 @@ class FSDPUnit:
         self.is_root = False
         self.requires_gradient_sync = True
         self.unsharded = False
+        self._gathered_versions: tuple[int, ...] = ()  # the shards' versions at the last gather
         self.backward_open = False  # gathered for backward, gradients not yet reduced
         self.prefetch = True  # start the next unit's all-gather early (see ``prefetch``)
         self.listener: Callable[[str, str], None] | None = None  # see prefetch.record_events
@@ -227,6 +228,13 @@ class FSDPUnit:
 
         Waits for a gather already started by a prefetch, else starts one and waits.
         """
+        if (self.unsharded and not self.backward_open and current_graph_task_id() == -1
+                and self._gathered_versions != self.flat.shard_versions()):
+            # Kept gathered since a forward that no backward followed (the root keeps its
+            # parameters after forward; an eval or no_grad forward), and the shards changed
+            # since (an EMA update, a load_state_dict, a copy into parameters()): gathered
+            # again. Until 2026-11-29 the stale gather was used, silently.
+            self.reshard()
         if not self.unsharded:
             self.start_gather()
             assert self._gathering is not None
@@ -234,6 +242,7 @@ class FSDPUnit:
             pending.wait()
             self._gathering = None
             self.flat.fill_full(out)
+            self._gathered_versions = self.flat.shard_versions()
             self.unsharded = True
             self.emit("gather-waited")
         self.flat.use_full()
