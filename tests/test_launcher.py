@@ -225,7 +225,7 @@ def test_multi_machine_plans():
             "--max-restarts",
             "2",
             "-m",
-            "pkg.train",
+            "json.tool",
         ),
         environ={"OMP_NUM_THREADS": "4"},
     )
@@ -233,7 +233,7 @@ def test_multi_machine_plans():
     assert remote.rdzv_endpoint == "10.1.2.3:29400"
     assert (remote.min_nodes, remote.max_nodes, remote.run_id) == (1, 3, "job7")
     assert remote.local_addr is None
-    assert remote.args[-2:] == ("-m", "pkg.train")
+    assert remote.args[-2:] == ("-m", "json.tool")
     assert "OMP_NUM_THREADS" not in remote.worker_env  # the user chose it
     loop = config.plan_from_args(
         _args("--nnodes", "2", "--rdzv-endpoint", "localhost:29555", str(JOB)), environ={}
