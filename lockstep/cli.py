@@ -98,13 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(subparsers)
     _add_doctor(subparsers)
     _add_plan(subparsers)
+    for sub in subparsers.choices.values():  # so that main() has it say what it refuses
+        sub.set_defaults(command_parser=sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lockstep`` command line; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = vars(args).pop("command_parser", parser)
+    if unknown:  # said by the subcommand, with its usage (until 2026-11-29 the top-level one)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2

@@ -184,3 +184,27 @@ def test_workers_that_are_each_rank_0_write_the_same_rank_file_without_failing(t
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-2000:]
     assert [p.name for p in (tmp_path / "o").iterdir()] == ["rank0.json"]
+
+
+def test_doctor_usage_errors_are_the_doctors(capsys):
+    """Until 2026-11-29 an unknown doctor flag printed `lockstep`'s usage, and a missing script
+    said the (optional) script arguments were required too."""
+    from lockstep.cli import main
+
+    with pytest.raises(SystemExit) as bad:
+        main(["doctor", "--bogus", "train.py"])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2
+    assert "usage: lockstep doctor" in err and "unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        main(["doctor", "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert "required: training_script" in err and "training_script_args" not in err
+
+
+def test_the_format_page_says_torch_ddp_all_reduces_at_world_1():
+    """A world-1 torch DDP profile has all-reduce times (its observer launches each bucket's
+    all-reduce); until 2026-11-29 the format page said the field was 0 at world 1."""
+    text = (ROOT / "docs" / "profile-format.md").read_text()
+    assert "(0 at world 1)" not in text
+    assert "torch's own\nDDP still all-reduces every bucket over its group of one" in text

@@ -338,3 +338,38 @@ def test_a_plain_model_lists_the_buffer_broadcasts_ddp_would_send():
     info = observer.recorder.model_info
     assert info["buffer_broadcasts"] == [8 * 4 * 2, 8], info  # float stats, then the int64 count
     observer.close()
+
+
+_ATEXIT_SCRIPT = '''\
+import atexit, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+
+marker = sys.argv[1]
+dist.init_process_group("gloo")
+# registered before the model's first forward, as a logger, wandb or a lock file would be
+atexit.register(lambda: open(marker, "w").write("ran"))
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(200):
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+'''
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_bounded_torch_ddp_run_still_runs_the_scripts_atexit_handlers(tmp_path):
+    """The doctor ends a torch-DDP run with os._exit after saving its profile: only after the
+    handlers the script registered (until 2026-11-29 those registered before the first forward
+    were skipped)."""
+    script, marker = tmp_path / "train_atexit.py", tmp_path / "marker"
+    script.write_text(_ATEXIT_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep", "doctor", "--nproc-per-node", "1", "--steps", "3",
+         "--warmup", "1", "--out-dir", str(tmp_path / "doctor"), str(script), str(marker)],
+        check=False, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "doctor" / "world1" / "profile.json").read_text())["steps"]
+    assert marker.read_text() == "ran", proc.stderr[-2000:]

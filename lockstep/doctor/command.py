@@ -6,12 +6,15 @@ run after ``--steps`` steps. Both runs use the script's own batch per worker, so
 times the work of world 1 per step (a script that splits a global batch is compared per sample:
 see :mod:`~lockstep.doctor.account`). On a machine without GPUs the world-1 run gets one worker's
 share of the cores (``OMP_NUM_THREADS``), as one of N workers would. When the world-1 run fails
-(a script written for N workers), the world-N run is still explained, without the account.
+(a script written for N workers), the world-N run is still explained, without the account;
+a failure that does not depend on the worker count (invalid Python, checked before any run; a
+refused argument; an error after training began) ends the doctor without the world-N run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -48,7 +51,9 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --dp-vs-ddp on CPU: threads in all; DataParallel's process gets T, each DDP "
              "process T / N (default: one per device)")
     add("training_script", help="the training script, unchanged")
-    add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+    # optional (argparse marks a REMAINDER positional required, and a missing script then read
+    # "required: training_script, training_script_args" until 2026-11-29)
+    add("training_script_args", nargs=argparse.REMAINDER, help="its arguments").required = False
 
 
 def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
@@ -81,13 +86,19 @@ def _launch(args: argparse.Namespace, world: int, folder: Path) -> int:
         return launch(plan)
 
 
-def findings_text(profile: dict[str, Any]) -> str:
-    """The attribution in words, and the per-bucket table."""
+def findings_text(profile: dict[str, Any], account: Account | None = None) -> str:
+    """The attribution in words, and the per-bucket table (``account``: the speedup account,
+    which says whether a straggler in data is every rank's slow loader)."""
     att = profile["attribution"]
     lines = ["findings:"]
     if profile["world_size"] > 1:
         s = att["straggler"]
-        if s["rank"] is None:
+        if account is not None and account.data_bound:
+            lines.append(f"  data-bound on every rank, not one slow rank: rank {s['rank']} shows "
+                         f"{s['phase_excess_s'] * 1e3:.1f} ms more data time than the others, "
+                         "whose loaders catch up while they wait at the all-reduce, and the "
+                         "1-worker run waits as long for its data")
+        elif s["rank"] is None:
             lines.append(f"  no straggler: the ranks wait {s['waited_s'] * 1e3:.1f} ms per step "
                          "for each other, the slowest one changing from step to step")
         else:
@@ -152,6 +163,43 @@ def _profile_of(folder: Path, warmup: int) -> dict[str, Any]:
     return profile
 
 
+def _syntax_error(script: str) -> str | None:
+    """Why ``script`` is not valid Python (None: it parses, or it is no file to read)."""
+    path = Path(script)
+    if not path.is_file():
+        return None  # `lockstep run` names a missing script
+    try:
+        ast.parse(path.read_bytes(), filename=script)
+    except (SyntaxError, ValueError) as err:  # ValueError: null bytes
+        return f"{script} is not valid Python: {err}; fix it (nothing was run)"
+    return None
+
+
+def _fails_at_any_world(folder: Path, rc: int, in_warmup: bool, n: int) -> str | None:
+    """Why the failed 1-worker run would fail as well with ``n`` workers (None: it may not).
+
+    A script written for N workers (Lightning's ``devices=N``) refuses one worker before it
+    trains, with an error or an exit: the N-worker run is then still worth explaining. A
+    failure after training began, an argument error or an end within the warm-up does not
+    depend on the worker count, and running again only prints it again.
+    """
+    if in_warmup:
+        return f"the {n}-worker run would end within its warm-up too"
+    if rc == 2:  # argparse's status for arguments it refuses; the N-worker run gets the same
+        return (f"exit 2 is the status of a script refusing its arguments (an unknown flag?), "
+                f"and the {n}-worker run gets the same ones")
+    steps = 0
+    for file in folder.glob("rank*.json"):
+        try:
+            steps = max(steps, len(json.loads(file.read_text()).get("steps", [])))
+        except (OSError, ValueError):
+            continue  # a file cut short: no evidence either way
+    if steps:
+        return (f"the script trained {steps} step(s) on 1 worker before it failed, so the "
+                "worker count is not what failed it: fix the error above")
+    return None
+
+
 def run_doctor(args: argparse.Namespace) -> int:
     """Both runs, then the account, the findings and the pictures; returns the exit status."""
     n = args.nproc_per_node
@@ -161,6 +209,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         return 2
     if args.dp_vs_ddp:
         return _run_dp_vs_ddp(args)
+    invalid = _syntax_error(args.training_script)
+    if invalid is not None:  # nothing is run: both runs would print the same error
+        print(f"lockstep doctor: error: {invalid}", file=sys.stderr)
+        return 2
     out: Path = args.out_dir
     worlds = [n] if args.no_baseline or n == 1 else [1, n]
     profiles: dict[int, dict[str, Any]] = {}
@@ -179,13 +231,20 @@ def run_doctor(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         failure: str | None = None
+        in_warmup = False  # the script ended within the warm-up steps
         if rc != 0:
             failure = f"the {world}-worker run failed (exit {rc}); see above"
         else:
             try:
                 profiles[world] = _profile_of(out / f"world{world}", args.warmup)
             except (FileNotFoundError, ValueError) as err:
-                failure = f"error: {err}"
+                failure, in_warmup = f"error: {err}", isinstance(err, ValueError)
+        stop = (_fails_at_any_world(out / "world1", rc, in_warmup, n)
+                if failure is not None and world == 1 and n > 1 else None)
+        if stop is not None:
+            print(f"lockstep doctor: {failure}\nlockstep doctor: the {n}-worker run is not "
+                  f"started: {stop}", file=sys.stderr)
+            return rc or 1
         if failure is not None and world == 1 and n > 1:
             # A script written for N workers (Lightning's devices=N) may refuse to run alone:
             # explain the N-worker run anyway, without the speedup account.
@@ -268,5 +327,5 @@ def _report(args: argparse.Namespace, many: dict[str, Any], account: Account | N
         parts.append(f"no speedup account: the 1-worker baseline run gave no profile "
                      f"({baseline_failed}); the findings below are the "
                      f"{many['world_size']}-worker run's alone")
-    parts.append(findings_text(many))
+    parts.append(findings_text(many, account))
     return "\n".join(parts)

@@ -301,6 +301,11 @@ class TorchDDPWatch:
         self._handles = [register_module_forward_pre_hook(self._module_pre),
                          register_module_forward_hook(self._module_post),
                          register_optimizer_step_pre_hook(self._optimizer_pre)]
+        # Registered now, before the script runs: atexit runs the last registered first, so
+        # every handler the script registers (loggers, wandb, lock files) runs before this one,
+        # which may end the process with os._exit (see _at_exit). Registered at the first
+        # forward (until 2026-11-29), it skipped the handlers the script registered before.
+        atexit.register(self._at_exit)
 
     def _module_pre(self, module: nn.Module, inputs: Any) -> None:
         if self._depth == 0 and not any(ref() is module for ref in self._roots):
@@ -326,8 +331,6 @@ class TorchDDPWatch:
             # a model found at its first optimizer step (world of one): that step counts, so a
             # bounded run ends after --steps optimizer steps, as it does under DDP
             observer = DDPObserver(module, self.settings, steps_done=1 if module is single else 0)
-            if observer.ddp is not None and not self.observers:
-                atexit.register(self._at_exit)
             self.observers.append(observer)
             observer._forward_pre(module, inputs)  # its own pre-hook starts with the next call
 
@@ -361,8 +364,13 @@ class TorchDDPWatch:
         The doctor ends the script mid-training (SystemExit from the optimizer hook); torch's
         DDP and gloo then sometimes abort while the interpreter shuts down ("terminate called
         without an active exception"), failing a run whose profile is already written. After
-        the profile is saved such a process ends here, with status 0.
+        the profile is saved such a process ends here, with status 0. This handler was
+        registered before the script ran, so the script's own atexit handlers have run by now.
+        Nothing is done without a torch DDP to observe (lockstep's DDP and plain models exit
+        as usual).
         """
+        if not any(observer.ddp is not None for observer in self.observers):
+            return
         over = False
         for observer in self.observers:
             rec = observer.recorder
@@ -377,6 +385,7 @@ class TorchDDPWatch:
 
     def close(self) -> None:
         self.stop_discovery()
+        atexit.unregister(self._at_exit)
         for observer in self.observers:
             observer.close()
 
