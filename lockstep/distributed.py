@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -174,6 +175,8 @@ def init_distributed(
             "env://" if info.source == "torchrun" else f"tcp://{_host(info.master_addr)}:{info.master_port}"
         )
         _LEFT.before_join(info.master_port, timeout.total_seconds())
+        if info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+            _load_compiler_first()  # this process hosts the job's store
         prefix = _LEFT.prefix()
         try:
             _join(backend, init_method, info, timeout, prefix)
@@ -189,6 +192,19 @@ def init_distributed(
     logger.debug("rank %d/%d joined with %s on %s", info.rank, info.world_size, backend, dev)
     progress.tracker()  # publish this rank's progress from now on (see lockstep.diagnose.hang)
     return replace(info, device=dev, backend=backend)
+
+
+def _load_compiler_first() -> None:
+    """Import torch.compile's machinery (Dynamo) before rank 0 creates a group that hosts the
+    job's store.
+
+    Imported while a group exists (any DistributedDataParallel does, torch's too), Dynamo keeps
+    that group's store open after the group is destroyed, so ranks joining a new group in the
+    same processes (a sweep between trials) waited for the old store to close until their
+    timeout (until 2026-11-29). Imported first, it holds nothing; DDP would import it anyway.
+    """
+    if "torch._dynamo" not in sys.modules:
+        import lockstep._torch_compat_compile  # noqa: F401 - imports Dynamo (see above)
 
 
 def _slurm_join_hint(info: ProcessInfo, timeout: timedelta) -> str:

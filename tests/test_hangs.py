@@ -479,3 +479,24 @@ def test_a_silent_rank_whose_process_still_runs_here_is_called_frozen():
     dead = Culprit(1, "gone", {**here, "pid": int(ended.stdout)})
     assert not dead.frozen_here() and dead.as_dict()["state"] == "gone"
     assert "is gone: no sign of life for 3.0s" in dead.describe(3.0)
+
+
+def test_a_rank_that_gave_up_waiting_is_not_the_root_cause_when_the_late_one_names_it(
+        tmp_path, monkeypatch):
+    """World 2, rank 1 busy past the timeout: rank 0 gives up and names rank 1 (stuck); rank 1
+    arrives just after, finds rank 0 gone and names it (exited). Rank 0 wrote a verdict of its
+    own, so it did not leave early: rank 1 is the root cause, and it hung (its own error is the
+    knock-on CollectiveTimeoutError, not one of its own). Until 2026-11-29 the tie went to rank
+    0, "left early", and the reason said "an error of its own"."""
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: all_reduce timed out")
+    late = _failure(tmp_path, 1, 1, "CollectiveTimeoutError: rank 1: rank 0 exited")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 1, "state": "stuck", "step": 4, "phase": "forward"}],
+                "rank 0: rank(s) [1] did not arrive")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", late.error_file)
+    write_blame(1, [{"rank": 0, "state": "exited", "step": 4, "phase": "backward"}],
+                "rank 1: rank 0 exited")
+    failures = failures_from(ChildFailedError("job", {0: waited, 1: late}))
+    assert failures[0].rank == 1
+    assert ("Root cause: rank 1 (local rank 1, pid 101) hung at step 4, phase 'forward': its "
+            "peers waited for it in vain (named by rank(s) 0)") in format_report(failures)

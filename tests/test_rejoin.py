@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -91,6 +92,28 @@ def _three_groups(rank):
 def test_spawned_ranks_leave_and_join_again():
     # Before lockstep.rejoin, rank 1 met the first group's store again and failed in gloo.
     assert lockstep.spawn(_three_groups, 2, timeout=120) == [[3.0, 3.0, 3.0]] * 2
+
+
+def _groups_with_a_model_each(rank):
+    """A sweep: each trial joins, trains a DDP model (lockstep's, then torch's), drops it and
+    leaves. The models' hooks held rank 0's store open after the group was destroyed, so the
+    second trial waited out its timeout (until 2026-11-29)."""
+    sums = []
+    for cls in (lockstep.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel,
+                lockstep.DistributedDataParallel):
+        lockstep.init_distributed(timeout=timedelta(seconds=20))
+        model = cls(torch.nn.Linear(2, 2))
+        model(torch.ones(3, 2)).sum().backward()
+        sums.append(sum(p.grad.sum().item() for p in model.parameters()))
+        del model
+        gc.collect()
+        lockstep.shutdown_distributed()
+    return sums
+
+
+def test_ranks_that_trained_a_model_join_again():
+    sums = lockstep.spawn(_groups_with_a_model_each, 2, timeout=150)
+    assert sums[0] == sums[1] and len(sums[0]) == 3
 
 
 SCRIPT = textwrap.dedent("""

@@ -30,6 +30,7 @@ unused-parameter search and the static graph's record).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,11 +189,20 @@ class Reducer:
 
     # ---- gradient hooks ------------------------------------------------------------------
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        # The parameter holds its hook from C++, where the garbage collector cannot see it: a
+        # hook holding the reducer (which holds the parameters) kept both alive after the model
+        # was dropped, and with them its process group and rank 0's store (until 2026-11-29 a
+        # process could not join a new group on the same address). The hook holds it weakly.
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if self._active:
-                self._on_grad(i, param)
-            elif self.find_unused and param.grad is not None:
-                self._usage.mark_used(i)  # a no_sync() backward: this gradient will be reduced too
+            reducer = ref()
+            if reducer is None:
+                return
+            if reducer._active:
+                reducer._on_grad(i, param)
+            elif reducer.find_unused and param.grad is not None:
+                reducer._usage.mark_used(i)  # a no_sync() backward: this gradient is reduced too
 
         return hook
 

@@ -253,6 +253,9 @@ class ProgressTracker:
         except Exception:
             logger.debug("progress: could not publish the exit record", exc_info=True)
         atexit.unregister(self.close)
+        # The groups' records are done with: dropped, they hold no group (and so no store) open
+        # past its destruction (a rank 0 joining a new group in this process hosts a new one).
+        self.groups.clear()
 
     def _await_exits(self, peers: list[int], deadline: float) -> None:
         waiting = set(peers) - {self.rank}

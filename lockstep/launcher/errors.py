@@ -208,6 +208,12 @@ def _most_blamed(verdicts: dict[int, dict[str, Any]]) -> dict[str, Any]:
     votes; ties: the lowest rank.
     """
     named = [c for v in verdicts.values() for c in v["culprits"] if isinstance(c.get("rank"), int)]
+    # A rank named as "exited" that wrote a verdict of its own did not leave the loop early: it
+    # gave up waiting (its timeout expired) and named the rank it waited for. A peer that came
+    # just after then found it gone and named it back; that vote does not count (until
+    # 2026-11-29 the tie of two such votes went to the lowest rank, the one that had waited).
+    gave_up = [c for c in named if not (c.get("state") == "exited" and c["rank"] in verdicts)]
+    named = gave_up or named
     votes = Counter(c["rank"] for c in named)
     missed = Counter(c["rank"] for c in named if c.get("meeting"))
     rank = min(votes, key=lambda r: (-missed[r], -votes[r], r))
@@ -236,7 +242,7 @@ def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
                 "holding the GIL, or the process stopped); its peers waited for it in vain")
     if state == "gone":
         return f"was gone{where}; its peers waited for it in vain"
-    if own.summary:  # it raised an error of its own: it failed, it did not hang
+    if _own_error(own):  # it raised an error of its own: it failed, it did not hang
         return f"failed{where} with an error of its own while its peers waited for it"
     return f"hung{where}: its peers waited for it in vain"
 
