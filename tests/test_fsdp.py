@@ -737,3 +737,16 @@ def test_optimizer_groups_by_dimension_split_the_sharded_model_as_the_plain_one(
     ref_opt, opt = torch.optim.AdamW(groups(ref), lr=0.01), torch.optim.AdamW(groups(model), lr=0.01)
     _train_both(ref, ref_opt, model, opt, 0, 1, steps=3)
     assert _diff(model, ref) < TOL
+
+
+def test_torchs_mixed_precision_fields_in_torchs_order_and_mesh_groups_exported():
+    """output_dtype was an unknown argument (TypeError) until 2026-11-29, though the docs
+    promised the NotImplementedError torch's own policy gets; mesh_groups was documented in
+    lockstep.fsdp but not importable from it."""
+    from lockstep.fsdp import mesh_groups  # noqa: F401
+
+    policy = lockstep.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+        torch.bfloat16, torch.float32, None)
+    with pytest.raises(NotImplementedError, match="output_dtype=torch.float32"):
+        lockstep.MixedPrecisionPolicy(output_dtype=torch.float32)

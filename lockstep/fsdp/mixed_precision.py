@@ -22,6 +22,8 @@ class MixedPrecisionPolicy:
         reduce_dtype: dtype the gradients are reduce-scattered in (``None``: ``param_dtype``).
             The reduced gradient is then accumulated into the fp32 shard's ``.grad``; reducing
             in fp32 while computing in bf16 is what keeps large jobs stable.
+        output_dtype: torch's field, accepted by name and position; anything but ``None`` is a
+            ``NotImplementedError`` (the root's outputs keep the compute dtype).
         cast_forward_inputs: cast floating-point tensors passed to the unit's forward to
             ``param_dtype``.
 
@@ -35,9 +37,12 @@ class MixedPrecisionPolicy:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None  # torch's field, in torch's order; not supported
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
+        if self.output_dtype is not None:  # a TypeError (unknown argument) until 2026-11-29
+            raise _no_output_dtype(self.output_dtype)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -79,8 +84,11 @@ def as_policy(policy: Any) -> MixedPrecisionPolicy:
     if not all(hasattr(policy, name) for name in fields):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     if getattr(policy, "output_dtype", None) is not None:
-        raise NotImplementedError(
-            f"fully_shard: MixedPrecisionPolicy(output_dtype={policy.output_dtype}) is not supported: "
-            "the root's outputs keep the compute dtype; cast them after the forward"
-        )
+        raise _no_output_dtype(policy.output_dtype)
     return MixedPrecisionPolicy(**{name: getattr(policy, name) for name in fields})
+
+
+def _no_output_dtype(dtype: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"fully_shard: MixedPrecisionPolicy(output_dtype={dtype}) is not supported: the root's "
+        "outputs keep the compute dtype; cast them after the forward")
