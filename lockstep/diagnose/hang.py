@@ -109,7 +109,8 @@ class Culprit:
         who = f"rank {self.rank}" + (f" on {host}" if host else "")
         if self.state == "stuck":
             return (f"{who} did not arrive: it is alive but stuck at {self.where()} "
-                    f"(inspect it: py-spy dump --pid {self.record.get('pid')})")
+                    f"(inspect it: py-spy dump --pid {self.record.get('pid')}; if it is only "
+                    "slow, e.g. an evaluation on one rank, raise init_distributed(timeout=...))")
         if self.state == "gone" and self.frozen_here():
             return (f"{who} is frozen: its process (pid {self.record.get('pid')}) still runs on "
                     f"this host but has given no sign of life for {silent_s:.1f}s (native code "

@@ -174,7 +174,8 @@ class CollectiveWatchdog:
         message = (
             f"rank {self._rank}: {op} did not complete within {waited}: rank(s) {missing} did not "
             f"arrive ({where}). Look at those ranks' logs: they died, hang, or skipped this "
-            "collective."
+            "collective; if they are only slow (a loader stall, an evaluation on one rank), "
+            "raise CollectiveWatchdog(timeout=...)."
         )
         write_blame(self._rank, [{"rank": r, "state": "stuck"} for r in missing], message)
         return CollectiveTimeoutError(message, op, missing)
