@@ -63,6 +63,15 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, message: str = "") -> Pro
                           error_file=str(error_file))
 
 
+def _named_each_other(tmp_path, monkeypatch, summaries, verdicts):
+    """Ranks 0 and 1 both failed (exit 1, ``summaries``), each leaving its verdict."""
+    files = [_failure(tmp_path, rank, 1, summary) for rank, summary in enumerate(summaries)]
+    for rank, (culprit, message) in enumerate(verdicts):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[rank].error_file)
+        write_blame(rank, [culprit], message)
+    return failures_from(ChildFailedError("job", dict(enumerate(files))))
+
+
 def test_blamed_rank_is_the_root_cause_not_the_one_that_waited(tmp_path, monkeypatch):
     waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: bucket failed")
     stopped = _failure(tmp_path, 1, -15)
@@ -85,15 +94,14 @@ def test_a_rank_that_skipped_a_checkpointer_call_is_the_root_cause(tmp_path, mon
     """save() on rank 0 only: rank 0 waits in the meeting and names rank 1, rank 1 runs on into
     the next all-reduce and names rank 0. The tie went to the lowest rank (rank 0, innocent);
     the meeting's evidence now decides."""
-    waited = _failure(tmp_path, 0, 1, "CheckpointError: rank 0 waited 8s in Checkpointer.save")
-    ran_on = _failure(tmp_path, 1, 1, "CollectiveTimeoutError: rank 1: all-reduce failed")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
-    write_blame(0, [{"rank": 1, "state": "stuck", "step": 4, "phase": "backward",
-                     "meeting": "Checkpointer.save(step=4)"}], "rank 0: rank(s) [1] never called it")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", ran_on.error_file)
-    write_blame(1, [{"rank": 0, "state": "stuck", "step": 4, "phase": "after backward"}],
-                "rank 1: rank 0 did not arrive")
-    failures = failures_from(ChildFailedError("job", {0: waited, 1: ran_on}))
+    failures = _named_each_other(
+        tmp_path, monkeypatch,
+        ["CheckpointError: rank 0 waited 8s in Checkpointer.save",
+         "CollectiveTimeoutError: rank 1: all-reduce failed"],
+        [({"rank": 1, "state": "stuck", "step": 4, "phase": "backward",
+           "meeting": "Checkpointer.save(step=4)"}, "rank 0: rank(s) [1] never called it"),
+         ({"rank": 0, "state": "stuck", "step": 4, "phase": "after backward"},
+          "rank 1: rank 0 did not arrive")])
     assert failures[0].rank == 1
     assert ("Root cause: rank 1 (local rank 1, pid 101) never called Checkpointer.save(step=4), "
             "which its peers waited in at step 4, phase 'backward' (named by rank(s) 0)"
@@ -488,15 +496,13 @@ def test_a_rank_that_gave_up_waiting_is_not_the_root_cause_when_the_late_one_nam
     own, so it did not leave early: rank 1 is the root cause, and it hung (its own error is the
     knock-on CollectiveTimeoutError, not one of its own). Until 2026-11-29 the tie went to rank
     0, "left early", and the reason said "an error of its own"."""
-    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: all_reduce timed out")
-    late = _failure(tmp_path, 1, 1, "CollectiveTimeoutError: rank 1: rank 0 exited")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
-    write_blame(0, [{"rank": 1, "state": "stuck", "step": 4, "phase": "forward"}],
-                "rank 0: rank(s) [1] did not arrive")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", late.error_file)
-    write_blame(1, [{"rank": 0, "state": "exited", "step": 4, "phase": "backward"}],
-                "rank 1: rank 0 exited")
-    failures = failures_from(ChildFailedError("job", {0: waited, 1: late}))
+    failures = _named_each_other(
+        tmp_path, monkeypatch,
+        ["CollectiveTimeoutError: rank 0: all_reduce timed out",
+         "CollectiveTimeoutError: rank 1: rank 0 exited"],
+        [({"rank": 1, "state": "stuck", "step": 4, "phase": "forward"},
+          "rank 0: rank(s) [1] did not arrive"),
+         ({"rank": 0, "state": "exited", "step": 4, "phase": "backward"}, "rank 1: rank 0 exited")])
     assert failures[0].rank == 1
     assert ("Root cause: rank 1 (local rank 1, pid 101) hung at step 4, phase 'forward': its "
             "peers waited for it in vain (named by rank(s) 0)") in format_report(failures)
