@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from collections import namedtuple
 
 import pytest
@@ -52,12 +53,14 @@ def test_world_of_one_runtime_covers_every_piece(capsys):
         assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6]]
         assert next(iter(loader)).device.type == expected
         rt.print("hello", 1)
+        rt.print("to", "stderr", sep="-", file=sys.stderr, flush=True)  # print's keywords
         assert not rt.progress(range(2)).disable
         rt.barrier()
         with pytest.raises(ValueError, match=r"op must be one of .*'mean'.*got 'avg'"):
             rt.all_reduce(1.0, op="avg")
     assert not dist.is_initialized()
-    assert capsys.readouterr().out == "hello 1\n"
+    captured = capsys.readouterr()
+    assert captured.out == "hello 1\n" and captured.err.startswith("to-stderr\n")
 
 
 def test_runtime_leaves_a_group_it_did_not_create():

@@ -9,6 +9,7 @@ evaluation results, and leaves the job cleanly.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Mapping, Sized
 from datetime import timedelta
 from typing import Any
@@ -170,10 +171,16 @@ class Runtime:
 
     # -- people-facing output, rank 0 only -----------------------------------------------------
 
-    def print(self, *values: Any, sep: str = " ", end: str = "\n") -> None:
-        """``print`` on rank 0 only, without breaking a progress bar that is showing."""
+    def print(self, *values: Any, sep: str = " ", end: str = "\n", file: Any = None,
+              flush: bool = False) -> None:
+        """``print`` on rank 0 only, without breaking a progress bar that is showing.
+
+        Takes ``print``'s keywords (``file=``, ``flush=`` were a ``TypeError`` until 2026-11-29).
+        """
         if self.is_main:
-            tqdm.write(sep.join(str(v) for v in values), end=end)
+            tqdm.write(sep.join(str(v) for v in values), file=file, end=end)
+            if flush:
+                (file if file is not None else sys.stdout).flush()
 
     def progress(self, iterable: Iterable | None = None, **tqdm_kwargs: Any) -> tqdm:
         """A tqdm progress bar shown on rank 0; on other ranks a silent one with the same API."""
