@@ -130,7 +130,9 @@ class DistributedSampler(Sampler[int]):
         self.epoch = 0
         # Global positions of this epoch's order already consumed before a resume.
         self._skip = 0
-        self._same_world = True  # a resumed pass: saved on as many ranks as this sampler has
+        # Where this pass's padding repeats the epoch's order from: 0 (as an uninterrupted pass
+        # does), or the position a resume on another number of ranks started at.
+        self._pad_origin = 0
         # The current pass: where it started in the global order, its length on this rank,
         # and how many indices it has yielded so far.
         self._pass_skip = 0
@@ -161,7 +163,7 @@ class DistributedSampler(Sampler[int]):
         """
         if epoch != self.epoch:
             self.epoch = epoch
-            self._skip = 0
+            self._skip = self._pad_origin = 0
             self._pass_skip, self._pass_len, self._yielded = 0, self.num_samples, 0
             self._passes_this_epoch = 0
             self._complete_this_epoch = False
@@ -181,12 +183,13 @@ class DistributedSampler(Sampler[int]):
             return rest[:total]
         if not rest:
             return []
-        # Pad by repeating the epoch's order from its start (as many times as a tiny dataset
-        # needs): a job resumed on the same number of ranks then pads with exactly the samples
-        # the uninterrupted pass used, so it stays bitwise equal to it.
-        # On another number of ranks, pad from the rest's start instead: nothing consumed is
-        # replayed.
-        source = order if self._same_world or not self._skip else rest
+        # Pad by repeating the epoch's order from the pass's pad origin (as many times as a
+        # tiny dataset needs): its start for an uninterrupted pass, so a job resumed on the same
+        # number of ranks pads with exactly the samples the uninterrupted pass used and stays
+        # bitwise equal to it. A pass resumed on another number of ranks pads from where it
+        # started instead, so nothing consumed is replayed; the origin is saved with the
+        # position, so a later resume of that pass pads as it did.
+        source = order[self._pad_origin:]
         missing = total - len(rest)
         return rest + (source * math.ceil(missing / len(source)))[:missing]
 
@@ -227,7 +230,7 @@ class DistributedSampler(Sampler[int]):
             self._yielded += 1
             yield index
         # The pass is over: a later iteration of this epoch starts from its beginning.
-        self._skip = 0
+        self._skip = self._pad_origin = 0
         self._complete_this_epoch = True
         if self._replay_pending:
             self._warn_replayed()
@@ -246,16 +249,18 @@ class DistributedSampler(Sampler[int]):
         return min(self._pass_skip + used * self.num_replicas, len(self.dataset))
 
     def state_dict(self, samples_per_rank: int | None = None) -> dict[str, int]:
-        """The position to resume from: ``{"epoch", "consumed", "seed", "num_replicas"}``.
+        """The position to resume from: ``{"epoch", "consumed", "seed", "num_replicas", "pad_origin"}``.
 
         ``consumed`` counts positions of the job-wide order, so the state is the same on every
-        rank and may be loaded by a job with a different number of ranks.
+        rank and may be loaded by a job with a different number of ranks. ``pad_origin`` is
+        where the current pass's padding repeats the order from (0 unless the pass was itself
+        resumed on another number of ranks).
 
         Args:
             samples_per_rank: see :meth:`consumed`.
         """
         return {"epoch": self.epoch, "consumed": self.consumed(samples_per_rank), "seed": self.seed,
-                "num_replicas": self.num_replicas}
+                "num_replicas": self.num_replicas, "pad_origin": self._pad_origin}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the epoch and position saved by :meth:`state_dict`.
@@ -282,8 +287,18 @@ class DistributedSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._skip = consumed
-        # Resumed on as many ranks as saved: pad this pass exactly as the uninterrupted one did.
-        self._same_world = state.get("num_replicas") == self.num_replicas
+        # Resumed on as many ranks as saved: pad this pass exactly as the uninterrupted one did;
+        # on another number, from the resume point, so nothing consumed is replayed.
+        if state.get("num_replicas") == self.num_replicas:
+            origin = int(state.get("pad_origin", 0))
+            if not 0 <= origin <= consumed:
+                raise ValueError(
+                    f"sampler state has pad_origin={origin}, outside [0, consumed={consumed}]: "
+                    "pass state_dict()'s output unchanged"
+                )
+            self._pad_origin = origin
+        else:
+            self._pad_origin = consumed
         self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
         self._passes_this_epoch = 0
         self._complete_this_epoch = False

@@ -175,7 +175,8 @@ def test_resume_mid_epoch_even_on_another_world_size(old_world, new_world):
     taken = _consume(old, per_rank=3)
     states = [s.state_dict() for s in old]
     assert all(state == states[0] for state in states)  # any rank may save it
-    assert states[0] == {"epoch": 1, "consumed": 3 * old_world, "seed": 3, "num_replicas": old_world}
+    assert states[0] == {"epoch": 1, "consumed": 3 * old_world, "seed": 3, "num_replicas": old_world,
+                         "pad_origin": 0}
 
     new = [DistributedSampler(range(n), new_world, r, seed=3) for r in range(new_world)]
     rest = []
@@ -195,6 +196,43 @@ def test_resume_mid_epoch_even_on_another_world_size(old_world, new_world):
     assert set().union(*(set(s) for s in new)) == set(range(n))
 
 
+def test_a_resumed_pass_resumed_again_pads_as_it_did():
+    # Saved at world 2, resumed at world 3, saved again mid-pass and resumed at world 3: the
+    # second resume goes on exactly as the first resumed pass would have, and its padding
+    # never repeats a sample consumed before the first resume.
+    n = 24  # 16 left after the first save: padded to 18 at world 3
+    old = [DistributedSampler(range(n), 2, r, seed=5) for r in range(2)]
+    taken = _consume(old, per_rank=4)
+    first = old[0].state_dict()
+
+    def resumed(state):
+        samplers = [DistributedSampler(range(n), 3, r, seed=5) for r in range(3)]
+        for sampler in samplers:
+            sampler.load_state_dict(state)
+        return samplers
+
+    uninterrupted = [list(s) for s in resumed(first)]
+    again = resumed(first)
+    middle = _consume(again, per_rank=2)
+    second = again[0].state_dict()
+    assert second["pad_origin"] == first["consumed"] == 8
+    rest = [list(s) for s in resumed(second)]
+    assert [u[2:] for u in uninterrupted] == rest
+    assert set(taken).isdisjoint(middle + [i for shard in rest for i in shard])
+    # The pass after it pads from the epoch's start again.
+    nxt = resumed(second)
+    for sampler in nxt:
+        list(sampler)
+        sampler.set_epoch(1)
+    assert nxt[0].state_dict()["pad_origin"] == 0
+
+
+def test_a_forged_pad_origin_is_refused():
+    sampler = DistributedSampler(range(10), 2, 0)
+    with pytest.raises(ValueError, match="pad_origin=7"):
+        sampler.load_state_dict({"epoch": 0, "consumed": 4, "seed": 0, "num_replicas": 2, "pad_origin": 7})
+
+
 def test_state_after_a_complete_pass_and_explicit_counts():
     sampler = DistributedSampler(range(10), 3, 1, drop_last=True)
     list(sampler)
@@ -211,7 +249,8 @@ def test_state_after_a_complete_pass_and_explicit_counts():
     assert ahead.consumed() == 12
     assert ahead.state_dict(samples_per_rank=2)["consumed"] == 4
     ahead.set_epoch(1)
-    assert ahead.state_dict() == {"epoch": 1, "consumed": 0, "seed": 0, "num_replicas": 2}
+    assert ahead.state_dict() == {"epoch": 1, "consumed": 0, "seed": 0, "num_replicas": 2,
+                                  "pad_origin": 0}
 
 
 def test_resume_through_a_dataloader():
