@@ -7,6 +7,7 @@ import io
 import sys
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,13 @@ def test_world_of_one_runtime_covers_every_piece(capsys):
         rt.barrier()
         with pytest.raises(ValueError, match=r"op must be one of .*'mean'.*got 'avg'"):
             rt.all_reduce(1.0, op="avg")
+        with pytest.raises(TypeError, match="metric 'acc' is a str"):
+            rt.all_reduce({"loss": 1.0, "acc": "n/a"})
+        assert rt.all_reduce(np.float32(0.5)) == 0.5
+        with pytest.raises(TypeError, match="got a dict: gather each entry"):
+            rt.gather_for_eval({"logits": torch.zeros(4, 2)}, 4)
+        with pytest.raises(ValueError, match="got 3 rows per rank, but 4 samples"):
+            rt.gather_for_eval(torch.zeros(3), 4)
     assert not dist.is_initialized()
     captured = capsys.readouterr()
     assert captured.out == "hello 1\n" and captured.err.startswith("to-stderr\n")
@@ -143,6 +151,11 @@ def _helper_world(rank: int, device: str | None) -> dict:
             rt.gather_for_eval(torch.zeros(rank + 1), 5)
         except ValueError as exc:
             out["gather_error"] = str(exc)
+        try:  # batch by batch: the last batch's padding could not be dropped
+            rt.gather_for_eval(local[:1], 5)
+        except ValueError as exc:
+            out["batch_error"] = str(exc)
+        out["partial"] = rt.gather_for_eval(local[:1], 2).tolist()  # part of a pass, said so
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             rt.print("only rank 0")
@@ -209,6 +222,8 @@ def _check_world_of_two(device: str | None) -> None:
         assert out["max"] == 5.0
         assert out["gathered"] == [0, 10, 20, 30, 40]  # dataset order, the padded 0 dropped
         assert "same shape on every rank, got [(1,), (2,)]" in out["gather_error"]
+        assert "got 1 row per rank, but 5 samples over 2 ranks" in out["batch_error"]
+        assert out["partial"] == [0, 10]
         assert out["printed"] == ("only rank 0\n" if rank == 0 else "")
         assert out["bar_disabled"] == (rank != 0)
         assert (out["wrapped"], out["bare"]) == ("DistributedDataParallel", "Sequential")

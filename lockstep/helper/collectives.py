@@ -35,6 +35,25 @@ def _restore(reduced: torch.Tensor, original: Metric, op: str) -> Metric:
     return out.to(device=original.device, dtype=original.dtype)
 
 
+def _flat(name: str, value: object, device: torch.device | str) -> torch.Tensor:
+    label = f"metric {name!r}" if name else "the metric"
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+    else:
+        try:  # Python and NumPy numbers, 0-d arrays
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"all_reduce_metrics: {label} is a {type(value).__name__}; pass a tensor, a "
+                "number, or a dict of them"
+            ) from None
+    if tensor.is_complex():
+        raise TypeError(f"all_reduce_metrics: {label} is complex; reduce its real and imaginary "
+                        "parts as two metrics")
+    source = tensor if isinstance(value, torch.Tensor) else value  # a Python float stays exact
+    return torch.as_tensor(source, dtype=torch.float64).reshape(-1).to(device)
+
+
 def all_reduce_metrics(
     value: Metric | Mapping[str, Metric],
     op: str = "mean",
@@ -51,19 +70,18 @@ def all_reduce_metrics(
 
     Returns:
         The same structure: numbers come back as floats, tensors with their shape and device.
+        Everything is reduced in float64, so integers are exact up to 2**53.
 
     Raises:
         ValueError: an unknown ``op``.
+        TypeError: a value that is not a number or a real tensor (naming it).
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
     items = dict(value) if isinstance(value, Mapping) else {"": value}
-    flat = [
-        torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v, dtype=torch.float64)
-        .reshape(-1)
-        .to(device)
-        for v in items.values()
-    ]
+    flat = [_flat(name, v, device) for name, v in items.items()]
+    # One float64 collective for everything: a metric may be an int on one rank and a float on
+    # another (a rank with no batches keeps its ``0``), so every rank packs the same layout.
     packed = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
     hang.run(group_progress(group), f"metric all-reduce ({op})",
              lambda: dist.all_reduce(packed, op=_OPS[op], group=group))
@@ -98,8 +116,16 @@ def gather_for_eval(
         A tensor of ``min(len(dataset), world * rows)`` rows, on ``tensor``'s device.
 
     Raises:
-        ValueError: ranks passed different numbers of rows or different row shapes.
+        TypeError: ``tensor`` is not a tensor (gather each entry of a dict or tuple on its own).
+        ValueError: ranks passed different numbers of rows or different row shapes, or fewer
+            rows than a whole shard (results gathered batch by batch: concatenate them first).
     """
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        got = "a 0-d tensor" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
+        raise TypeError(
+            f"gather_for_eval takes one tensor with a row per sample, got {got}: gather each "
+            "entry of a dict or tuple on its own, and stack per-sample scalars into rows"
+        )
     world = dist.get_world_size(group)
     shapes: list[tuple[int, ...] | None] = [None] * world
     progress = group_progress(group)
@@ -110,11 +136,20 @@ def gather_for_eval(
             f"gather_for_eval needs the same shape on every rank, got {shapes} by rank: give "
             "each rank an equal shard (lockstep.DistributedSampler does) and pass all of it"
         )
+    length = len(total) if hasattr(total, "__len__") else int(total)
+    rows = tensor.shape[0]
+    if rows * world < length - (world - 1):  # a DistributedSampler shard, drop_last or not
+        raise ValueError(
+            f"gather_for_eval got {rows} row{'s' * (rows != 1)} per rank, but {length} samples over {world} ranks "
+            f"make shards of {-(-length // world)} (or {length // world} with drop_last): pass "
+            "the results of the whole shard at once (torch.cat the batches first), since the "
+            "padding to drop is at the end of the pass; to gather only part of a pass, pass "
+            f"total={rows * world}"
+        )
     local = tensor.detach().to(device).contiguous()
     gathered = [torch.empty_like(local) for _ in range(world)]
     hang.run(progress, "gather_for_eval all-gather",
              lambda: dist.all_gather(gathered, local, group=group))
     # stack -> [world, rows, ...]; transposing interleaves ranks back into sampler order.
     ordered = torch.stack(gathered).transpose(0, 1).reshape(-1, *local.shape[1:])
-    length = len(total) if hasattr(total, "__len__") else int(total)
     return ordered[:length].to(tensor.device)
