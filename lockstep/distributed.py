@@ -127,7 +127,8 @@ def init_distributed(
 
     With no launcher variables set this is a world of one: the group lives in memory
     (a ``HashStore``), nothing listens on the network. Calling it again is harmless and
-    returns the same description, with the ``device`` that call asks for.
+    returns the same description, with the ``device`` that call asks for; asking then for
+    another ``backend`` is refused (the group keeps the one it was made with).
 
     Args:
         backend: ``"nccl"``/``"gloo"``; by default NCCL for CUDA devices, gloo otherwise.
@@ -138,6 +139,9 @@ def init_distributed(
 
     Returns:
         The :class:`~lockstep.env.ProcessInfo` of this process, with device and backend.
+
+    Raises:
+        ValueError: the group already exists with another backend than ``backend``.
 
     Example::
 
@@ -157,6 +161,12 @@ def init_distributed(
         device = os.environ["LOCKSTEP_DEVICE"]  # e.g. force CPU workers on a GPU machine
     if dist.is_initialized():
         info = current_process_info()
+        if backend is not None and backend.lower() not in str(dist.get_backend()).lower():
+            raise ValueError(
+                f"init_distributed(backend={backend!r}): the process group already exists with "
+                f"backend {dist.get_backend()!r}, which a second call cannot change; call "
+                "lockstep.shutdown_distributed() first, or leave backend unset"
+            )
         # The device asked for now, as a first call would resolve it (not the backend's guess).
         return info if device is None else replace(info, device=resolve_device(device, info.local_rank))
     info = detect_process_info()

@@ -72,6 +72,9 @@ def test_init_distributed_single_process_twice():
         assert t.tolist() == [1.0, 1.0]
         # a later call names the device asked for then (it said "cpu" for any device before)
         assert lockstep.init_distributed(device="meta").device == torch.device("meta")
+        assert lockstep.init_distributed(backend="gloo").backend == "gloo"
+        with pytest.raises(ValueError, match="already exists with backend 'gloo'.*shutdown_distributed"):
+            lockstep.init_distributed(backend="nccl")  # was silently ignored
     finally:
         lockstep.shutdown_distributed()
 
