@@ -66,6 +66,10 @@ def test_world_of_one_runtime_covers_every_piece(capsys):
             rt.gather_for_eval({"logits": torch.zeros(4, 2)}, 4)
         with pytest.raises(ValueError, match="got 3 rows per rank, but 4 samples"):
             rt.gather_for_eval(torch.zeros(3), 4)
+    with pytest.raises(RuntimeError, match=r"Runtime.all_reduce\(\) after the job was left"):
+        rt.all_reduce(1.0)  # torch's "Default process group has not been initialized" before
+    with pytest.raises(RuntimeError, match=r"Runtime.barrier\(\) after the job was left"):
+        rt.barrier()
     assert not dist.is_initialized()
     captured = capsys.readouterr()
     assert captured.out == "hello 1\n" and captured.err.startswith("to-stderr\n")

@@ -196,6 +196,7 @@ class Runtime:
 
         Every rank must call it. Numbers come back as floats, tensors keep shape and device.
         """
+        self._check_joined("all_reduce")
         return all_reduce_metrics(value, op, device=self._collective_device())
 
     def gather_for_eval(self, tensor: torch.Tensor, total: int | Sized) -> torch.Tensor:
@@ -205,14 +206,24 @@ class Runtime:
             tensor: this rank's results for its whole shard, one row per sample.
             total: the evaluation dataset, or its length.
         """
+        self._check_joined("gather_for_eval")
         return gather_for_eval(tensor, total, device=self._collective_device())
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
+        self._check_joined("barrier")
         if self.device.type == "cuda" and self.info.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
+
+    def _check_joined(self, method: str) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"Runtime.{method}() after the job was left (the Runtime's with block ended, or "
+                "shutdown() or destroy_process_group() was called): call it inside the with "
+                "block, before shutdown()"
+            )
 
     def _collective_device(self) -> torch.device:
         return self.device if self.info.backend == "nccl" else torch.device("cpu")
