@@ -264,6 +264,11 @@ def test_containers_without_forward_are_refused_at_the_call():
         with pytest.raises(ValueError, match=f"containers that do not implement forward: {type(container).__name__}"):
             lockstep.fully_shard(container)
     lockstep.fully_shard(nn.Sequential(nn.Linear(2, 2)))  # a container with a forward is fine
+    # torch's list form (one group over several modules): refused by name, not list.forward.
+    with pytest.raises(NotImplementedError, match="got a list of 2 modules.*call fully_shard on each"):
+        lockstep.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="expects an nn.Module, got function"):
+        lockstep.fully_shard(lambda x: x)
 
 
 class _WithUnused(nn.Module):

@@ -161,6 +161,8 @@ def fully_shard(
         ``module`` itself.
 
     Raises:
+        NotImplementedError: a list of modules (torch's one-group form).
+        TypeError: ``module`` is not an ``nn.Module``.
         ValueError: a container without forward (``nn.ModuleList``), already sharded, a parameter shared with another unit, parameters on
             different devices or of different dtypes, a hybrid layout that does not fit the world,
             an int ``reshard_after_forward`` that does not divide the group's size.
@@ -168,6 +170,14 @@ def fully_shard(
             process group in a process SLURM started as one of several (under ``torchrun`` or
             ``lockstep run`` the default group is made here from the environment, as torch does).
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            f"fully_shard got a {type(module).__name__} of {len(module)} modules: torch's form "
+            "that shards several modules as one group is not supported; call fully_shard on "
+            "each of them (one gather each), or on a module whose forward calls them all"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
         raise ValueError(
             f"fully_shard does not support containers that do not implement forward: "
