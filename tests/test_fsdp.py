@@ -271,6 +271,13 @@ def test_containers_without_forward_are_refused_at_the_call():
         lockstep.fully_shard(lambda x: x)
 
 
+def test_a_block_sharded_after_its_root_is_refused_at_the_call():
+    # Until 2026-11-29 it was accepted, and the first forward blamed model.to() or a new Parameter.
+    model = lockstep.fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="parameter 'weight' is already a shard of a module sharded earlier.*bottom-up"):
+        lockstep.fully_shard(model[0])
+
+
 class _WithUnused(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -99,6 +99,13 @@ def _check(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> N
                 "call fully_shard on every block and then on the root before the first forward"
             )
     for fqn, param, _ in params:
+        if owner_of(param) is not None:
+            raise ValueError(
+                f"fully_shard: {name}'s parameter '{fqn}' is already a shard of a module "
+                "sharded earlier (a parent, or a module sharing it); apply fully_shard "
+                "bottom-up, every block first and then the root, and shard a parameter shared "
+                "by two modules with their common parent"
+            )
         for where, unit in nested:
             if unit.flat.replaced(param):
                 raise ValueError(
