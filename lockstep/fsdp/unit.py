@@ -171,6 +171,7 @@ class FSDPUnit:
 
     # -- root -----------------------------------------------------------------------------------
 
+    @torch.compiler.disable()  # the start-up check pickles objects: outside a compiled graph
     def _lazy_init_root(self) -> None:
         named = [(n, u) for n, m in self.module.named_modules() if (u := get_unit(m)) is not None]
         if dist.is_initialized():
