@@ -360,6 +360,24 @@ def test_ranks_that_raised_their_own_error_are_not_called_a_consequence(tmp_path
     assert "Also failed, probably as a consequence: rank 2 (exit code 1)." in report
 
 
+def test_a_gloo_timeout_is_a_consequence_of_the_rank_it_waited_for(tmp_path):
+    """Rank 0 hit gloo's own timeout waiting for rank 1, which hung until the agent stopped it:
+    rank 1 is the root cause (rank 0 was, as "an error of its own", until 2026-11-29)."""
+    t = int(time.time())
+    timeout = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+               "Timed out waiting 30000ms for recv operation to complete")
+    waited = _error_file(tmp_path / "r0" / "error.json", timeout,
+                         'Traceback (most recent call last):\n  File "train.py", line 9, in '
+                         f"<module>\n    dist.all_reduce(t)\n{timeout}\n", t)
+    err = ChildFailedError("train.py", {
+        0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=waited),
+        1: ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGTERM, error_file="none"),
+    })
+    failures = errors.failures_from(err)
+    assert [f.rank for f in failures] == [1, 0]
+    assert "Also failed, probably as a consequence: rank 0 (exit code 1)." in errors.format_report(failures)
+
+
 def test_a_machine_whose_workers_only_lost_a_peer_says_the_cause_is_elsewhere(tmp_path):
     """Two machines: rank 1 raised on machine B; machine A's rank 0 failed on the closed
     connection. A's report said "Root cause: rank 0 ... exit code 1", naming no host."""

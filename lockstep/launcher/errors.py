@@ -42,7 +42,9 @@ __all__ = [
 # Messages of a worker that failed because a peer went away, not on its own.
 _PEER_LOST = re.compile(
     r"connection (closed|reset) by peer|DistNetworkError|broken pipe|recvBytes|"
-    r"Socket Timeout|NCCL communicator was aborted|ProcessGroup.*aborted",
+    r"Socket Timeout|NCCL communicator was aborted|ProcessGroup.*aborted|"
+    # gloo's own timeout: this rank waited for a peer's send or receive that never came.
+    r"Timed out waiting \d+ms for (recv|send) operation",
     re.IGNORECASE,
 )
 # Frames of the launcher's own machinery, dropped from the traceback shown to users.
