@@ -113,6 +113,23 @@ class ZeroRedundancyOptimizer(Optimizer):
                      loads[self.rank], sum(loads))
         self._initialized = True
 
+    # -- torch's read-only attributes -------------------------------------------------------
+
+    @property
+    def parameters_as_bucket_view(self) -> bool:
+        """Whether parameters are views of one flat bucket per device and owner (as torch's)."""
+        return self._bucket_view
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group (``rank`` is its rank in the optimizer's)."""
+        return self._ranks[self.rank]
+
+    @property
+    def initialized(self) -> bool:
+        """True once construction finished (torch's attribute)."""
+        return self._initialized
+
     # -- the step --------------------------------------------------------------------------
 
     def step(  # type: ignore[override]
@@ -131,7 +148,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                     loss = closure()
                 closure = None
                 self._reduced = False  # the closure made new local gradients
-            if not self._reduced:
+            if not self._still_reduced():
                 reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
             self._reduced = False
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
@@ -163,11 +180,27 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not self._reduce_gradients:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite=error_if_nonfinite)
-        if not self._reduced:
+        if not self._still_reduced():
             reduce_to_owners(self._buckets, self.rank, self.process_group, self._ranks)
             self._reduced = True
         return clip_owned(self._buckets, self.rank, self.process_group, max_norm, norm_type,
                           error_if_nonfinite)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's; the next clip or step reduces the new ones."""
+        super().zero_grad(set_to_none)
+        self._reduced = False
+
+    def _still_reduced(self) -> bool:
+        """Are the gradients those :meth:`clip_grad_norm_` reduced, with no backward since?
+
+        A step skipped after clipping (a non-finite norm, GradScaler's skip) leaves the flag
+        set; ``zero_grad`` clears it, and a gradient on a parameter this rank does not own
+        (the reduction left those ``None``) shows a backward ran since.
+        """
+        return self._reduced and all(
+            p.grad is None for bucket in self._buckets if bucket.owner != self.rank
+            for p in bucket.params)
 
     def join_hook(self, **kwargs: Any) -> Any:
         """Refuse ``torch.distributed.algorithms.Join([model, optimizer])`` with a reason.
@@ -192,7 +225,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         super().add_param_group(param_group)
         if not self._initialized:
             return
-        self._check_parameters()
+        try:
+            self._check_parameters()
+        except Exception:
+            self.param_groups.pop()  # refused on every rank: the group is not half added
+            raise
         self._owners, _ = partition_groups(self._group_sizes(), self.world_size)
         group = self.param_groups[-1]
         local = [p for p, owner in zip(group["params"], self._owners[-1]) if owner == self.rank]
@@ -414,7 +451,8 @@ def _checksums(params: list[torch.Tensor]) -> list[float]:
     differ (each rank initialised its own model, which DDP or ``reduce_gradients`` makes equal
     later), nothing is said. One value per parameter, read in one transfer."""
     with torch.no_grad():
-        sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in params])
+        sums = torch.stack([(torch.view_as_real(p.detach()) if p.is_complex() else p.detach())
+                            .sum(dtype=torch.float64) for p in params])
     return [float(x) for x in sums.cpu().tolist()]
 
 
