@@ -249,7 +249,8 @@ class DistributedSampler(Sampler[int]):
         return min(self._pass_skip + used * self.num_replicas, len(self.dataset))
 
     def state_dict(self, samples_per_rank: int | None = None) -> dict[str, int]:
-        """The position to resume from: ``{"epoch", "consumed", "seed", "num_replicas", "pad_origin"}``.
+        """The position to resume from: ``{"epoch", "consumed", "seed", "num_replicas", "pad_origin",
+        "dataset_size"}``.
 
         ``consumed`` counts positions of the job-wide order, so the state is the same on every
         rank and may be loaded by a job with a different number of ranks. ``pad_origin`` is
@@ -260,7 +261,8 @@ class DistributedSampler(Sampler[int]):
             samples_per_rank: see :meth:`consumed`.
         """
         return {"epoch": self.epoch, "consumed": self.consumed(samples_per_rank), "seed": self.seed,
-                "num_replicas": self.num_replicas, "pad_origin": self._pad_origin}
+                "num_replicas": self.num_replicas, "pad_origin": self._pad_origin,
+                "dataset_size": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the epoch and position saved by :meth:`state_dict`.
@@ -278,6 +280,14 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(
                 f"sampler state was saved with seed={state['seed']}, this sampler has "
                 f"seed={self.seed}: resuming would replay a different order"
+            )
+        size = state.get("dataset_size")
+        if size is not None and int(size) != len(self.dataset):
+            raise ValueError(
+                f"sampler state was saved for a dataset of {size} samples, this sampler's has "
+                f"{len(self.dataset)}: the epoch's order would differ, replaying some samples "
+                "and skipping others. Resume with the same dataset, or start the epoch afresh "
+                "(set_epoch without load_state_dict)"
             )
         consumed = int(state["consumed"])
         if not 0 <= consumed <= len(self.dataset):

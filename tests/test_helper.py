@@ -101,7 +101,8 @@ def test_loader_state_counts_only_batches_the_loop_received():
     # Two worker processes have read ahead; the sampler alone would count more than 6.
     assert loader.sampler.consumed() > 6
     state = loader.state_dict()
-    assert state == {"epoch": 0, "consumed": 6, "seed": 0, "num_replicas": 1, "pad_origin": 0}
+    assert state == {"epoch": 0, "consumed": 6, "seed": 0, "num_replicas": 1, "pad_origin": 0,
+                     "dataset_size": 40}
     del iterator
     resumed = ShardedLoader(list(range(40)), 2, rank=1, world_size=2, shuffle=True)
     resumed.load_state_dict(state)

@@ -176,7 +176,7 @@ def test_resume_mid_epoch_even_on_another_world_size(old_world, new_world):
     states = [s.state_dict() for s in old]
     assert all(state == states[0] for state in states)  # any rank may save it
     assert states[0] == {"epoch": 1, "consumed": 3 * old_world, "seed": 3, "num_replicas": old_world,
-                         "pad_origin": 0}
+                         "pad_origin": 0, "dataset_size": n}
 
     new = [DistributedSampler(range(n), new_world, r, seed=3) for r in range(new_world)]
     rest = []
@@ -250,7 +250,7 @@ def test_state_after_a_complete_pass_and_explicit_counts():
     assert ahead.state_dict(samples_per_rank=2)["consumed"] == 4
     ahead.set_epoch(1)
     assert ahead.state_dict() == {"epoch": 1, "consumed": 0, "seed": 0, "num_replicas": 2,
-                                  "pad_origin": 0}
+                                  "pad_origin": 0, "dataset_size": 20}
 
 
 def test_resume_through_a_dataloader():
@@ -276,6 +276,10 @@ def test_load_state_dict_errors():
         sampler.load_state_dict({"epoch": 0, "consumed": 0, "seed": 2})
     with pytest.raises(ValueError, match="11 samples were consumed, but the dataset has 10"):
         sampler.load_state_dict({"epoch": 0, "consumed": 11})
+    # A dataset that grew (more files): accepted silently, in another order, until 2026-11-29.
+    bigger = DistributedSampler(range(20), 2, 0, seed=1)
+    with pytest.raises(ValueError, match="saved for a dataset of 10 samples, this sampler's has 20"):
+        bigger.load_state_dict(sampler.state_dict())
 
 
 # --- several ranks -----------------------------------------------------------------------------
