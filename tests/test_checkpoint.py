@@ -463,6 +463,19 @@ def test_full_disk_message():
     message = ckpt_io.describe_os_error(exc, Path("/ck/state.pt"), 3 * 2**20)
     assert "disk or quota is full (3.0 MiB needed)" in message
     assert "previous checkpoint is untouched" in message
+    small = ckpt_io.describe_os_error(exc, Path("/ck/state.pt"), 40_000)
+    assert "(39.1 KiB needed)" in small  # "(0.0 MiB needed)" until 2026-11-29
+
+
+def test_a_relative_directory_is_the_one_named_when_save_was_called(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere" / "ckpt").mkdir(parents=True)
+    ckpt = Checkpointer("ckpt")  # resolved at each write until 2026-11-29: after a chdir (or
+    os.chdir(tmp_path / "elsewhere")  # during an async save) it wrote elsewhere/ckpt
+    ckpt.save(1, model=Net())
+    ckpt.wait()
+    assert (tmp_path / "ckpt").is_dir() and not any((tmp_path / "elsewhere" / "ckpt").iterdir())
+    assert Checkpointer(tmp_path / "ckpt").restore(model=Net()).step == 1
 
 
 # -- multi-rank -----------------------------------------------------------------------------

@@ -346,10 +346,16 @@ def save_atomic(path: Path, obj: Any, split: Collection[int] = ()) -> None:
         raise CheckpointError(describe_os_error(error, path, size)) from error
 
 
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{nbytes} bytes"
+
+
 def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:
     """A message for a failed checkpoint write that says what to do about it."""
     if exc.errno in _DISK_FULL:
-        need = f" ({size / 2**20:.1f} MiB needed)" if size is not None else ""
+        need = f" ({_size(size)} needed)" if size is not None else ""
         return (
             f"cannot write {path}: the disk or quota is full{need} ({exc.strerror}). Free space "
             "or lower `keep`; the previous checkpoint is untouched."

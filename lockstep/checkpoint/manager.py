@@ -201,7 +201,9 @@ class Checkpointer:
         self.when_busy = when_busy
         self.blocking = blocking
         self.defer_copy = defer_copy
-        self.directory = Path(directory)
+        # Absolute now: a background write, or a restore after os.chdir, uses the directory the
+        # caller named, not one of the same name elsewhere.
+        self.directory = Path(directory).absolute()
         self.keep = keep
         self.process_group = process_group
         self.timeout = timedelta(seconds=timeout)
