@@ -29,6 +29,7 @@ from torch import nn
 import lockstep
 from lockstep.checkpoint import Checkpointer, CheckpointError, load_weights, tensorfile
 from lockstep.checkpoint import io as ckpt_io
+from lockstep.checkpoint.fit import check_optimizer_fits
 from lockstep.small_gather import SLOT_BYTES, all_gather_small
 
 # torch sets TORCHINDUCTOR_CACHE_DIR the first time an Adam is built; do it at import so the
@@ -465,6 +466,46 @@ def test_full_disk_message():
     assert "previous checkpoint is untouched" in message
     small = ckpt_io.describe_os_error(exc, Path("/ck/state.pt"), 40_000)
     assert "(39.1 KiB needed)" in small  # "(0.0 MiB needed)" until 2026-11-29
+
+
+def _stepped(optimizer_class: type, model: nn.Module, **kwargs: float) -> torch.optim.Optimizer:
+    optimizer = optimizer_class(model.parameters(), **kwargs)
+    model(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_an_optimizer_that_does_not_fit_is_refused_at_restore(tmp_path):
+    """Another optimizer class, or state for parameters of other shapes, loaded and failed at
+    the next step() (a KeyError, a size error naming no file) until 2026-11-29."""
+    model = Net()
+    ckpt = Checkpointer(tmp_path, blocking=True)
+    ckpt.save(1, optimizer=_stepped(torch.optim.Adam, model, lr=1e-3))
+    with pytest.raises(CheckpointError, match=r"state.pt: 'optimizer' was saved by another kind "
+                       r"of optimizer than this SGD: its group 0 has \[.*'betas'.*and lacks \[.*'momentum'"):
+        ckpt.restore(optimizer=torch.optim.SGD(Net().parameters(), lr=0.1, momentum=0.9))
+    other = nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 2))  # as many parameters, other shapes
+    with pytest.raises(CheckpointError, match=r"'optimizer' holds optimizer state for parameters "
+                       r"of other shapes \(file vs optimizer: parameter 0 exp_avg \(8, 6\) vs \(8, 5\)"):
+        ckpt.restore(optimizer=torch.optim.Adam(other.parameters(), lr=1e-3))
+    fresh = torch.optim.Adam(Net().parameters(), lr=1e-3)
+    assert ckpt.restore(optimizer=fresh).step == 1  # the same kind still loads
+    # Settings only one side has (a newer torch adds some) are not another optimizer.
+    state = fresh.state_dict()
+    del state["param_groups"][0]["foreach"]
+    check_optimizer_fits("optimizer", fresh, state, "older.pt")
+
+
+def test_a_model_on_the_meta_device_is_refused_at_restore(tmp_path):
+    ckpt = Checkpointer(tmp_path, blocking=True)
+    ckpt.save(1, model=Net())
+    with torch.device("meta"):
+        meta = Net()
+    with pytest.raises(CheckpointError, match=r"into a model on the meta device \(fc1.weight, "
+                       r"fc1.bias, fc2.weight, fc2.bias\).*to_empty"):
+        ckpt.restore(model=meta)  # "restored" without a value until 2026-11-29
+    meta.to_empty(device="cpu")
+    assert ckpt.restore(model=meta).step == 1
 
 
 def test_a_relative_directory_is_the_one_named_when_save_was_called(tmp_path, monkeypatch):

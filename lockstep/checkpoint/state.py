@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.checkpoint.fit import check_optimizer_fits, refuse_meta
 from lockstep.checkpoint.io import CheckpointError, load_file
 from lockstep.fsdp.registry import is_shard, is_sharded
 from lockstep.shards import stage_param_of
@@ -101,6 +102,8 @@ def apply_state(name: str, obj: Any, state: Any, source: str) -> None:
     if isinstance(obj, nn.Module):
         load_model_state(obj, state, source)
         return
+    if isinstance(obj, torch.optim.Optimizer):
+        check_optimizer_fits(name, obj, state, source)
     try:
         obj.load_state_dict(state)
     except Exception as exc:
@@ -140,6 +143,7 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], source: str) ->
         CheckpointError: keys or shapes differ; the message lists them and names ``source``.
     """
     target = unwrap_model(model)
+    refuse_meta(target, source)
     expected = target.state_dict()
     state = _strip_prefixes(state, expected)
     missing = sorted(set(expected) - set(state))
