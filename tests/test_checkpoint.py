@@ -496,6 +496,23 @@ def test_an_optimizer_that_does_not_fit_is_refused_at_restore(tmp_path):
     check_optimizer_fits("optimizer", fresh, state, "older.pt")
 
 
+def test_an_async_save_keeps_sparse_tensors_and_parameters_as_a_blocking_one_does(tmp_path):
+    # Until 2026-11-29 the asynchronous snapshot failed on sparse tensors (copy_ between dense
+    # and sparse) and brought an nn.Parameter back as a plain tensor.
+    extra = {"param": nn.Parameter(torch.arange(3.0)), "coo": torch.eye(3).to_sparse(),
+             "mixed": [torch.ones(2), torch.eye(2).to_sparse()]}
+    for blocking in (False, True):
+        ckpt = Checkpointer(tmp_path / str(blocking), blocking=blocking)
+        ckpt.save(1, model=Net(), extra=extra)
+        ckpt.wait()
+        back = ckpt.restore(model=Net()).extra
+        assert type(back["param"]) is nn.Parameter and torch.equal(back["param"], extra["param"])
+        assert back["coo"].layout == torch.sparse_coo
+        assert torch.equal(back["coo"].to_dense(), torch.eye(3))
+        assert torch.equal(back["mixed"][0], torch.ones(2))
+        assert torch.equal(back["mixed"][1].to_dense(), torch.eye(2))
+
+
 def test_a_model_on_the_meta_device_is_refused_at_restore(tmp_path):
     ckpt = Checkpointer(tmp_path, blocking=True)
     ckpt.save(1, model=Net())

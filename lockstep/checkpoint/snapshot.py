@@ -186,6 +186,8 @@ class Snapshot:
         return obj
 
     def _copy_tensor(self, tensor: torch.Tensor, path: Path, walk: _Walk) -> torch.Tensor:
+        if not _in_arena(tensor):
+            return _copied_whole(tensor)
         if tensor.requires_grad:  # (a state dict's tensors are detached already)
             tensor = tensor.detach()
         buffer = self._buffers.get(path)
@@ -213,11 +215,26 @@ class Snapshot:
 
 
 
+def _in_arena(tensor: torch.Tensor) -> bool:
+    """A plain dense tensor: its bytes go to a reused buffer. A sparse one, or an
+    ``nn.Parameter``, is copied whole instead, keeping its layout and its class (the file
+    writes them with ``torch.save``, as a blocking save does)."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided
+
+
+def _copied_whole(tensor: torch.Tensor) -> torch.Tensor:
+    copy = tensor.detach().to("cpu", copy=True)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy
+
+
 def _tensors(obj: Any, path: Path, found: list[tuple[Path, torch.Tensor]]) -> None:
     """Append ``(path, tensor)`` for each tensor of ``obj``, in :meth:`Snapshot._copy`'s order
     and with its paths."""
     if isinstance(obj, torch.Tensor):
-        found.append((path, obj))
+        if _in_arena(obj):
+            found.append((path, obj))
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _tensors(v, (*path, k), found)
