@@ -8,6 +8,7 @@ across a save at world 2 and a resume at worlds 1 and 4.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +375,19 @@ def test_launcher_passes_v_to_the_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_VIRTUAL_SHARDS", "8")
     assert VirtualShardDDP(nn.Linear(2, 2)).shards_per_rank == 8
     assert VirtualShardSampler(range(64), None, 2, 2, 1).shards_per_rank == 4
+
+
+def test_plain_ddp_under_virtual_shards_says_it_does_not_use_them(world_of_one, monkeypatch):
+    # Until 2026-11-29 `lockstep run --virtual-shards V` with a plain DDP script (the demo's
+    # rt.wrap) ran as plain DDP without a word.
+    monkeypatch.setenv("LOCKSTEP_VIRTUAL_SHARDS", "4")
+    with pytest.warns(UserWarning, match=r"--virtual-shards 4`: this wrapper does not use "
+                      r"virtual shards.*lockstep.VirtualShardDDP"):
+        lockstep.DistributedDataParallel(nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        VirtualShardDDP(nn.Linear(2, 2))
+    assert not [w for w in caught if "does not use virtual shards" in str(w.message)]
 
 
 def test_launcher_refuses_a_world_that_cannot_run_v(tmp_path):

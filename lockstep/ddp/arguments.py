@@ -7,6 +7,7 @@ uses, or raises an error that names the argument, what was passed and what to do
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 
 from lockstep.comm.fp32_accumulate import check_wire_dtype
 from lockstep.ddp.bucket import MB
+from lockstep.virtual_world import VIRTUAL_SHARDS_ENV
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -205,6 +207,22 @@ def check_reduce_dtype(reduce_dtype: Any, mixed_precision_dtype: torch.dtype | N
             "sums in that dtype, which drifts as ranks are added."
         )
     return reduce_dtype
+
+
+def warn_virtual_shards_unused() -> None:
+    """Under ``lockstep run --virtual-shards V`` a plain DDP model gets none of its guarantee:
+    say so once per process (the launcher cannot see which wrapper the script uses)."""
+    value = os.environ.get(VIRTUAL_SHARDS_ENV)
+    if value is None:
+        return
+    warnings.warn(
+        f"DistributedDataParallel under `lockstep run --virtual-shards {value}`: this wrapper "
+        "does not use virtual shards, so the run is not the same at every world size. Wrap the "
+        "model in lockstep.VirtualShardDDP (and batch with VirtualShardSampler) for that, or "
+        "drop --virtual-shards (docs/virtual-shards.md)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def warn_check_reduction() -> None:

@@ -161,6 +161,7 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         self.reduce_dtype = arguments.check_reduce_dtype(reduce_dtype, self._reduce_dtype)
         if check_reduction:
             arguments.warn_check_reduction()
+        arguments.warn_virtual_shards_unused()
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call lockstep.init_distributed() "
