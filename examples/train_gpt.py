@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out-dir", type=Path, default=Path("runs/demo"), help="where metrics.json and loss.png go")
     add("--checkpoint-dir", type=Path, default=None,
         help="save checkpoints here and resume from the newest at start; None saves nothing")
-    add("--checkpoint-every", type=int, default=50, help="steps between checkpoints (with --checkpoint-dir)")
+    add("--checkpoint-every", type=int, default=None,
+        help="steps between checkpoints (with --checkpoint-dir); None: 50")
     add("--checkpoint-max-overhead", type=float, default=None,
         help="skip saves that come sooner than this share of the time allows, e.g. 0.05 with "
              "--checkpoint-every 1 (lockstep.Checkpointer's max_overhead); None: no pacing")
@@ -75,9 +76,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_steps", "batch_size", "block_size", "eval_interval", "log_interval", "eval_blocks",
-                 "checkpoint_every"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+                 "checkpoint_every", "max_files", "n_layer", "n_head", "n_embd"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if args.checkpoint_dir is None:
+        given = [flag for flag, value in (("--checkpoint-every", args.checkpoint_every),
+                                          ("--checkpoint-max-overhead", args.checkpoint_max_overhead))
+                 if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --checkpoint-dir "
+                         "(nothing is saved without it)")
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 50
     share = args.checkpoint_max_overhead
     if share is not None and not 0 < share <= 1:
         parser.error(f"--checkpoint-max-overhead must be in (0, 1], e.g. 0.05 for 5%, got {share}")
@@ -94,7 +109,8 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 @torch.no_grad()
 def evaluate(rt: lockstep.Runtime, model: torch.nn.Module, loader, total: int) -> float:
-    """Mean validation loss over every held-out sequence, each counted exactly once."""
+    """Mean validation loss over the held-out sequences (the first ``--eval-blocks``), each
+    counted exactly once whatever the number of workers."""
     model.eval()
     losses = []
     for x, y in loader:
@@ -112,8 +128,20 @@ def build(rt: lockstep.Runtime, args: argparse.Namespace):
     corpus = load_corpus(args.max_files)
     train_set = BlockDataset(vocab.encode(corpus.train_text()), args.block_size)
     val_blocks = BlockDataset(vocab.encode(corpus.val_text()), args.block_size)
+    if not len(val_blocks):
+        raise SystemExit(
+            f"train_gpt.py: the validation files hold no whole --block-size {args.block_size} "
+            "sequence: lower --block-size, or raise --max-files (more files, more validation text)"
+        )
     val_set = Subset(val_blocks, range(min(args.eval_blocks, len(val_blocks))))
     train_loader = rt.dataloader(train_set, args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
+    if not len(train_loader):  # every batch dropped: the training loop would wait for one forever
+        raise SystemExit(
+            f"train_gpt.py: each of the {rt.world_size} workers gets "
+            f"{len(train_loader.sampler)} training sequences of --block-size {args.block_size}, "
+            f"fewer than --batch-size {args.batch_size}: lower --batch-size or --block-size, raise "
+            "--max-files, or use fewer workers"
+        )
     val_loader = rt.dataloader(val_set, args.batch_size)
     rt.print(
         f"data: {len(corpus.train_files)} train / {len(corpus.val_files)} validation files from "

@@ -112,6 +112,32 @@ def test_corpus_split_is_deterministic_and_errors_name_the_directory(tmp_path, m
         load_corpus(max_files=5, root=tmp_path)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
+    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--max-files", "-1"], "--max-files must be at least 1, got -1"),
+])
+def test_demo_flags_that_cannot_work_are_refused_up_front(monkeypatch, capsys, flags, message):
+    # Until 2026-11-29 these were accepted: ignored, a traceback from every rank, or a file dropped.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_gpt
+
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_demo_with_fewer_sequences_than_a_batch_says_so_instead_of_spinning(tmp_path, monkeypatch):
+    # Every batch dropped (drop_last): the endless batch loop waited forever until 2026-11-29.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import train_gpt
+
+    args = [*TINY, *CPU, "--batch-size", "100000", "--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="fewer than --batch-size 100000: lower --batch-size"):
+        train_gpt.main(args)
+
+
 def test_demo_resumes_from_its_checkpoint_bitwise(tmp_path, monkeypatch, capsys):
     """A run resumed from the demo's step-10 checkpoint ends with the uninterrupted run's state."""
     import shutil
