@@ -269,6 +269,42 @@ def test_rank_that_raised_is_named_as_failed_not_as_leaving_early(tmp_path):
     assert "(ValueError: bad batch at step 3)" in out["error"] and "uneven data" not in out["error"]
 
 
+def _zero_under_join(rank: int, directory: str) -> dict:
+    """Rank 1 runs out of data under DDP's join(), which cannot stand in for the ZeRO step."""
+    lockstep.init_distributed(timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    model = lockstep.DistributedDataParallel(nn.Linear(3, 2))
+    opt = lockstep.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    out: dict = {"error": "no error"}
+    try:
+        with model.join():
+            for step in range(3 if rank == 0 else 2):
+                opt.zero_grad()
+                model(torch.ones(2, 3) * (step + 1)).sum().backward()
+                opt.step()
+    except CollectiveTimeoutError as exc:
+        out = {"error": str(exc), "missing": exc.missing_ranks}
+    Path(directory, f"done-{rank}").touch()
+    if rank == 0:
+        wait_for_files([Path(directory, "done-1")])
+    return out
+
+
+@pytest.mark.multirank
+def test_ranks_in_different_collectives_at_the_same_count_say_so(tmp_path):
+    """Until 2026-11-29 rank 1 blamed rank 0 (the one with more data) for "leaving the loop
+    early", and rank 0 got gloo's bare timeout."""
+    results = lockstep.spawn(_zero_under_join, 2, (str(tmp_path),), timeout=120)
+    for rank, out in enumerate(results):
+        other = 1 - rank
+        assert out.get("missing") == [other], out
+        assert (f"rank {other} on {HOST} entered this collective's number too, but in another "
+                "collective: ") in out["error"], out
+        assert "ZeroRedundancyOptimizer is not a Joinable" in out["error"]
+    assert "DDP join announcement (this rank is in ZeRO parameter broadcast" in results[0]["error"]
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_rank_stuck_inside_join_is_named(tmp_path):

@@ -84,6 +84,7 @@ class Culprit:
         self.state = state  # "stuck", "gone", "exited", "raised", "late" or "silent" (never published)
         self.record = record or {}
         self.group_key = group_key
+        self.other_op = ""  # set when it entered the same count in another collective than ours
 
     def frozen_here(self) -> bool:
         """Whether its process still runs on this host (it stopped beating, but lives)."""
@@ -107,6 +108,14 @@ class Culprit:
     def describe(self, silent_s: float) -> str:
         host = self.record.get("host")
         who = f"rank {self.rank}" + (f" on {host}" if host else "")
+        if self.other_op:
+            theirs = self.record.get("last_ops", {}).get(self.group_key, "?")
+            return (f"{who} entered this collective's number too, but in another collective: "
+                    f"{theirs} (this rank is in {self.other_op}), at step "
+                    f"{self.record.get('step', 0)}. The ranks run different collectives here: "
+                    "code that communicates on some ranks only, or uneven data under join() "
+                    "with a component it cannot stand in for (lockstep's "
+                    "ZeroRedundancyOptimizer is not a Joinable)")
         if self.state == "stuck":
             return (f"{who} did not arrive: it is alive but stuck at {self.where()} "
                     f"(inspect it: py-spy dump --pid {self.record.get('pid')}; if it is only "
@@ -177,7 +186,7 @@ def _named(progress: GroupProgress, seq: int, op: str, cause: Exception,
     if isinstance(cause, (CollectiveTimeoutError, LocalUsageError)) or progress.tracker is None:
         return cause
     try:
-        culprits, silent_s = _find_culprits(progress, seq, cause)
+        culprits, silent_s = _find_culprits(progress, seq, cause, op)
     except Exception:  # noqa: BLE001 - the store's host may be the one gone
         return _store_gone(progress.tracker.rank, op, cause, waited)
     if not culprits:
@@ -225,7 +234,7 @@ def _store_gone(me: int, op: str, cause: Exception, waited: float) -> Collective
 
 
 def _find_culprits(
-    progress: GroupProgress, seq: int, cause: Exception
+    progress: GroupProgress, seq: int, cause: Exception, op: str = ""
 ) -> tuple[list[Culprit], float]:
     found = progress.tracker
     assert found is not None
@@ -235,18 +244,24 @@ def _find_culprits(
     if not behind and not _PEER_TROUBLE.search(str(cause)):
         return [], 0.0  # e.g. a comm hook's own bug: the original error is the right one
     states, latest, silent_s = observe_peers(found, first)
-    culprits, late, gone_but_arrived = [], [], []
+    culprits, late, gone_but_arrived, elsewhere = [], [], [], []
     for rank in peers:
         culprit = Culprit(rank, states[rank], latest[rank], progress.key)
+        record = latest[rank] or {}
         if _count(latest[rank], progress.key) < seq:
             culprits.append(culprit)
+        elif (op and _count(record, progress.key) == seq
+              and record.get("last_ops", {}).get(progress.key, op) != op):
+            culprit.other_op = op
+            elsewhere.append(culprit)
         elif rank in behind and states[rank] == "stuck":
             late.append(Culprit(rank, "late", first[rank], progress.key))
         elif states[rank] in ("gone", "exited", "raised"):
             gone_but_arrived.append(culprit)
     # A peer that arrived after the timeout is slow, not stuck; one that entered and then left
-    # is to blame only if nobody is behind (peers that time out like this one exit too).
-    return (culprits or late or gone_but_arrived), silent_s
+    # is to blame only if nobody is behind (peers that time out like this one exit too). One at
+    # the same count in another collective comes before both: the ranks' code paths differ.
+    return (culprits or elsewhere or late or gone_but_arrived), silent_s
 
 
 def from_peer(peer: int, op: str, call: Callable[[], Any]) -> Any:

@@ -128,6 +128,7 @@ class ProgressTracker:
         self.phase = "started"
         self.last_op = ""
         self.counts: dict[str, int] = {}
+        self.last_ops: dict[str, str] = {}  # per group: the collective its count last entered
         # GroupProgress per process group, for group_progress() (weak: groups come and go).
         self.groups: weakref.WeakKeyDictionary[Any, GroupProgress] = weakref.WeakKeyDictionary()
         self.host = socket.gethostname()
@@ -187,7 +188,7 @@ class ProgressTracker:
         """Count one more collective on group ``key``; returns its sequence number (1-based)."""
         seq = self.counts.get(key, 0) + 1
         self.counts[key] = seq
-        self.last_op = op
+        self.last_op = self.last_ops[key] = op
         return seq
 
     def new_world(self) -> None:
@@ -195,6 +196,7 @@ class ProgressTracker:
         its counts again: a replacement that joins counts from 0, and ranks that keep theirs
         would take it for behind by every collective they ran before."""
         self.counts.clear()
+        self.last_ops.clear()
 
     # ---- publication ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -208,6 +210,7 @@ class ProgressTracker:
             "phase": self.phase,
             "last_op": self.last_op,
             "counts": dict(self.counts),
+            "last_ops": dict(self.last_ops),
             "beat": self._beat,
             "state": self._state,
             **({"error": self.error[:300]} if self.error else {}),
