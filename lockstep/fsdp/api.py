@@ -15,7 +15,7 @@ from lockstep.fsdp import collectives
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.methods import attach_torch_methods
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy, as_policy
-from lockstep.fsdp.registry import owner_of
+from lockstep.fsdp.registry import mark_replaced, owner_of, replaced_by
 from lockstep.fsdp.unit import FSDPUnit, get_unit
 
 __all__ = [
@@ -112,6 +112,14 @@ def _check(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> N
                     f"fully_shard: parameter '{fqn}' is shared with the sharded submodule '{where}'; "
                     "a parameter can belong to one unit only: shard the module that holds both uses"
                 )
+        earlier = replaced_by(param)
+        if earlier is not None:
+            raise ValueError(
+                f"fully_shard: {name}'s parameter '{fqn}' is shared with "
+                f"{type(earlier.module).__name__}, sharded earlier (a tied weight); a parameter "
+                "can belong to one unit only: shard the module that holds both uses, not each "
+                "of them"
+            )
     for i, (where_a, a) in enumerate(nested):
         for where_b, b in nested[i + 1 :]:
             overlap = [p for p in a.flat.originals() if b.flat.replaced(p)]
@@ -207,7 +215,9 @@ def fully_shard(
     after_forward = _reshard_flag(reshard_after_forward, size)
     own = params[0][1].dtype if params else torch.get_default_dtype()
     flat = FlatShard(params, rank, size, policy.compute_dtype(own))
-    FSDPUnit(module, flat, shard_group, replicate_group, after_forward, policy)
+    unit = FSDPUnit(module, flat, shard_group, replicate_group, after_forward, policy)
+    for _, original, _ in params:
+        mark_replaced(original, unit)
     attach_torch_methods(module, {  # torch's FSDPModule methods, for scripts written for it
         "unshard": unshard, "reshard": reshard, "set_requires_gradient_sync": set_requires_gradient_sync,
         "set_reshard_after_backward": set_reshard_after_backward,

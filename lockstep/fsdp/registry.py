@@ -19,6 +19,7 @@ __all__ = ["attach", "get_unit", "is_shard", "is_sharded", "mark_shard", "owner_
 
 _ATTR = "_lockstep_fsdp_unit"
 _OWNER_ATTR = "_lockstep_fsdp_owner"
+_REPLACED_ATTR = "_lockstep_fsdp_replaced_by"
 
 
 class _Owner:
@@ -60,4 +61,16 @@ def set_owner(shard: object, unit: FSDPUnit) -> None:
 def owner_of(tensor: object) -> FSDPUnit | None:
     """The unit whose shard ``tensor`` is (:func:`set_owner`), or ``None``."""
     owner = getattr(tensor, _OWNER_ATTR, None)
+    return owner.unit if isinstance(owner, _Owner) else None
+
+
+def mark_replaced(original: object, unit: FSDPUnit) -> None:
+    """Record that ``unit`` replaced the parameter ``original`` with a shard: another module
+    that still holds it (a tied weight) shares it with that unit."""
+    setattr(original, _REPLACED_ATTR, _Owner(unit))
+
+
+def replaced_by(tensor: object) -> FSDPUnit | None:
+    """The unit that sharded ``tensor`` away (:func:`mark_replaced`), or ``None``."""
+    owner = getattr(tensor, _REPLACED_ATTR, None)
     return owner.unit if isinstance(owner, _Owner) else None
