@@ -128,6 +128,10 @@ def usable_cores() -> int:
     return max(1, cores or 1)
 
 
+# Set with the OMP_NUM_THREADS that ``lockstep run`` chose itself (not one the user set).
+OMP_FROM_LAUNCHER_ENV = "LOCKSTEP_OMP_FROM_LAUNCHER"
+
+
 def threads_per_share(shares: int) -> int:
     """Intra-op threads for one of ``shares`` equal shares of the usable cores (at least 1):
     what ``lockstep run`` gives each worker, with ``shares`` its worker count, or the virtual

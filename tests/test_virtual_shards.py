@@ -9,6 +9,7 @@ across a save at world 2 and a resume at worlds 1 and 4.
 from __future__ import annotations
 
 import warnings
+from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,37 @@ def test_split_shards_and_seeds():
     with pytest.raises(ValueError, match="5 samples"):
         split_shards(torch.zeros(5), 2)
     assert shard_seed(0, 1, 2) != shard_seed(0, 2, 1)
+    # Per-sample plain values collated into a list go with their samples (each shard got all
+    # of the rank's until 2026-11-29: what a shard saw depended on the world size); a constant
+    # goes whole to every shard; a namedtuple keeps its type (a TypeError before).
+    text = split_shards((torch.arange(4), ["a", "b", "c", "d"], ("cfg", 1)), 2)
+    assert [part[1] for part in text] == [["a", "b"], ["c", "d"]]
+    assert [part[2] for part in text] == [("cfg", 1), ("cfg", 1)]
+    pair = namedtuple("pair", "x y")
+    halves = split_shards(pair(torch.arange(4), torch.arange(4) * 3), 2)
+    assert type(halves[1]) is pair and torch.equal(halves[1].y, torch.tensor([6, 9]))
+
+
+class _Counter(nn.Module):
+    """An integer buffer that depends on the data: it cannot be the same on every shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.register_buffer("positives", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.positives += (x[:, 0] > 0).sum()
+        return self.lin(x)
+
+
+def test_an_integer_buffer_that_depends_on_the_data_is_refused():
+    # Until 2026-11-29 each rank kept its last shard's count: 11 at world 1, [7, 11] at 2.
+    model = VirtualShardDDP(_Counter(), 2)
+    x = torch.tensor([[1.0, 0, 0], [2.0, 0, 0], [-1.0, 0, 0], [1.0, 0, 0]])
+    with pytest.raises(ValueError, match="integer buffer 'positives' came out of virtual shard 1 "
+                       "unlike the rank's first shard"):
+        model.train_step(split_shards(x, 2), lambda m, b: m(b).sum(), 0)
 
 
 def test_world_of_one_matches_full_batch_training():
@@ -420,6 +452,20 @@ def test_a_thread_count_other_world_sizes_would_not_have_is_warned(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             VirtualShardDDP(nn.Linear(2, 2), 4)  # chosen by the user
+        # Chosen by a launcher (lockstep run without --virtual-shards: cores // nproc; torchrun:
+        # 1 for several workers): warned since 2026-11-29.
+        monkeypatch.setenv("LOCKSTEP_OMP_FROM_LAUNCHER", "1")
+        with pytest.warns(UserWarning, match=rf"computes on {want + 1} CPU threads"):
+            VirtualShardDDP(nn.Linear(2, 2), 4)
+        monkeypatch.delenv("LOCKSTEP_OMP_FROM_LAUNCHER")
+        if want != 1:
+            torch.set_num_threads(1)
+            monkeypatch.setenv("OMP_NUM_THREADS", "1")
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+            with pytest.warns(UserWarning, match="computes on 1 CPU threads"):
+                VirtualShardDDP(nn.Linear(2, 2), 4)
+            torch.set_num_threads(want + 1)
         monkeypatch.delenv("OMP_NUM_THREADS")
         torch.set_num_threads(want)
         with warnings.catch_warnings():

@@ -10,7 +10,8 @@ states and the reported loss are bitwise the same at every world size that divid
 
 Buffers (BatchNorm running statistics): every shard starts from the step's buffers, and the new
 floating-point buffers are the tree mean of the shards' results; integer buffers (such as
-``num_batches_tracked``) take the value every shard computes alike.
+``num_batches_tracked``) take the value every shard computes alike, and one that comes out of a
+rank's shards differently (it depends on the data) is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lockstep.ddp.shard_tree import TreeSum, combine_subtrees
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.distributed import global_rank
-from lockstep.env import threads_per_share
+from lockstep.env import OMP_FROM_LAUNCHER_ENV, threads_per_share
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
 __all__ = ["VirtualShardDDP", "shard_seed", "split_shards"]
@@ -49,7 +50,28 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
 
 
 def split_shards(batch: Any, shards: int) -> list[Any]:
-    """Split a batch (tensor, or tuple/list/dict of tensors) into ``shards`` equal parts on dim 0."""
+    """Split a batch (tensor, or tuple/list/dict of tensors) into ``shards`` equal parts on dim 0.
+
+    A list or tuple of plain values as long as the batch (strings, ids: what a ``DataLoader``
+    collates from per-sample non-tensor fields) is split the same way; any other non-tensor
+    value (a constant) goes to every shard whole. Namedtuples keep their type.
+    """
+    return _split_batch(batch, shards, _batch_size(batch))
+
+
+def _batch_size(batch: Any) -> int | None:
+    """dim 0 of the batch's first tensor (None: it holds no tensor)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        size = _batch_size(item)
+        if size is not None:
+            return size
+    return None
+
+
+def _split_batch(batch: Any, shards: int, size: int | None) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % shards != 0:
             raise ValueError(
@@ -58,12 +80,33 @@ def split_shards(batch: Any, shards: int) -> list[Any]:
             )
         return list(batch.chunk(shards))
     if isinstance(batch, (tuple, list)):
-        parts = [split_shards(item, shards) for item in batch]
+        if size is not None and len(batch) == size and size % shards == 0 and not any(
+                isinstance(item, (torch.Tensor, tuple, list, dict)) for item in batch):
+            step = size // shards  # per-sample plain values, collated into a list
+            return [type(batch)(batch[i * step:(i + 1) * step]) for i in range(shards)]
+        parts = [_split_batch(item, shards, size) for item in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
+            return [type(batch)(*(p[i] for p in parts)) for i in range(shards)]
         return [type(batch)(p[i] for p in parts) for i in range(shards)]
     if isinstance(batch, dict):
-        split = {key: split_shards(value, shards) for key, value in batch.items()}
+        split = {key: _split_batch(value, shards, size) for key, value in batch.items()}
         return [{key: value[i] for key, value in split.items()} for i in range(shards)]
     return [batch] * shards
+
+
+def _same_integer_buffers(exact: list[tuple[str, torch.Tensor]], first: list[torch.Tensor],
+                          shard: int) -> None:
+    """Integer buffers are not averaged: every shard must compute them alike (a step count).
+    One that depends on the data would end each rank with its own last shard's value."""
+    for (name, buffer), value in zip(exact, first):
+        if not torch.equal(buffer, value):
+            raise ValueError(
+                f"VirtualShardDDP: the integer buffer '{name}' came out of virtual shard {shard} "
+                "unlike the rank's first shard: integer buffers are not averaged, so one that "
+                "depends on the data would differ between ranks and world sizes. Make it a "
+                "floating-point buffer (averaged over the shards) or keep the count outside "
+                "the model"
+            )
 
 
 def _unsupported(module: nn.Module) -> None:
@@ -149,15 +192,26 @@ def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
     return out
 
 
+def _launcher_set_threads() -> bool:
+    """Did a launcher, not the user, set ``OMP_NUM_THREADS`` (``lockstep run`` marks its own;
+    torchrun sets 1 for several workers, saying so, when the user set nothing)?"""
+    marked = os.environ.get(OMP_FROM_LAUNCHER_ENV)  # lockstep run says either way
+    if marked is not None:
+        return marked == "1"
+    return ("TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
+            and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1)
+
+
 def _warn_thread_count(virtual_shards: int) -> None:
     """Warn where this process's CPU thread count is one that another world size would not
     have: a CPU sum's bits depend on how many threads split it. ``lockstep run
     --virtual-shards V`` gives every worker ``cores // V`` threads at every world size; a
     process started otherwise (plain ``python`` takes every core, torchrun gives 1 thread per
     worker) computes other bits than a run at another world size. An ``OMP_NUM_THREADS`` the
-    user set is taken as chosen for every run."""
+    user set is taken as chosen for every run; one a launcher set (``lockstep run`` without
+    ``--virtual-shards`` gives ``cores // nproc``, torchrun ``1``) is not."""
     want, have = threads_per_share(virtual_shards), torch.get_num_threads()
-    if "OMP_NUM_THREADS" in os.environ or have == want:
+    if have == want or ("OMP_NUM_THREADS" in os.environ and not _launcher_set_threads()):
         return
     warnings.warn(
         f"VirtualShardDDP: this process computes on {have} CPU threads; runs at other world "
@@ -308,8 +362,11 @@ class VirtualShardDDP(nn.Module):
                 f"(virtual_shards={self.virtual_shards} over {self.world_size} ranks)"
             )
         params = [p for p in self.module.parameters() if p.requires_grad]
-        buffers = list(self.module.buffers())
+        named = list(self.module.named_buffers())
+        buffers = [b for _, b in named]
         floats = [b for b in buffers if b.is_floating_point()]
+        exact = [(name, b) for name, b in named if not b.is_floating_point()]
+        first: list[torch.Tensor] | None = None  # the first shard's integer buffers
         start = [b.detach().clone() for b in buffers]
         sums: dict[torch.dtype, TreeSum] = {}
         buckets = self._bucketed(params)
@@ -327,6 +384,10 @@ class VirtualShardDDP(nn.Module):
             finally:
                 for handle in handles:
                     handle.remove()
+            if first is None:
+                first = [b.detach().clone() for _, b in exact]
+            else:
+                _same_integer_buffers(exact, first, index)
             if buckets is not None and not last:
                 buckets.push(grads)
             # One flat vector per dtype (gradients unless bucketed, float buffers, the loss).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lockstep.env import loopback_gloo, threads_per_share
+from lockstep.env import OMP_FROM_LAUNCHER_ENV, loopback_gloo, threads_per_share
 
 __all__ = ["loopback_gloo", "omp_threads"]
 
@@ -19,5 +19,6 @@ def omp_threads(nproc: int, environ: Mapping[str, str], virtual_shards: int | No
     same bits at every world size.
     """
     if "OMP_NUM_THREADS" in environ or (nproc < 2 and virtual_shards is None):
-        return {}
-    return {"OMP_NUM_THREADS": str(threads_per_share(virtual_shards or nproc))}
+        return {OMP_FROM_LAUNCHER_ENV: "0"}  # the user's count, or none: not the launcher's
+    return {"OMP_NUM_THREADS": str(threads_per_share(virtual_shards or nproc)),
+            OMP_FROM_LAUNCHER_ENV: "1"}
