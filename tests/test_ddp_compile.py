@@ -74,6 +74,23 @@ def test_pieces_end_where_buckets_end():
     torch.testing.assert_close(out, eager)
 
 
+def test_more_pieces_than_dynamos_recompile_limit_are_all_compiled():
+    # Pieces shared one forward, so one code object: Dynamo compiles at most 8 frames per code
+    # object, and until 2026-11-29 the ninth piece and later ran eagerly, without a word.
+    layers = []
+    for _ in range(11):
+        layers += [nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh()]
+    net = nn.Sequential(*layers, nn.Linear(WIDTH, 2, bias=False))
+    splitter, out, eager = _split_once(net, lambda order: [[p] for p in order])
+    assert len(splitter.pieces[0]) == 12
+    compiled, node = 0, out.grad_fn
+    while node is not None:
+        compiled += type(node).__name__ == "CompiledFunctionBackward"
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    assert compiled == 12
+    torch.testing.assert_close(out, eager)
+
+
 def test_the_cut_falls_after_the_activation():
     """An activation goes with the layer that reads it: what crosses a cut is a layer's output.
 

@@ -25,6 +25,7 @@ compiled with this backend around the user's. The user's backend is read from th
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -166,10 +167,10 @@ class BucketSplitter:
         if count == 1:
             return self.backend(gm, example_inputs)  # nothing to split: as Dynamo would
         split = split_module(gm, None, lambda node: where[node])  # type: ignore[arg-type]
-        for name, child in list(split.named_children()):
+        for index, (name, child) in enumerate(list(split.named_children())):
             assert isinstance(child, fx.GraphModule)  # split_module makes every piece one
             # Each piece is compiled on its own: its backward is its own autograd node.
-            setattr(split, name, torch.compile(_Piece(child), backend=self.backend))
+            setattr(split, name, torch.compile(_Piece(child, index), backend=self.backend))
         return split
 
 
@@ -180,11 +181,19 @@ class _Piece(nn.Module):
     skips together with the generated forward it calls; from a plain forward it is traced.
     """
 
-    def __init__(self, graph: fx.GraphModule) -> None:
+    def __init__(self, graph: fx.GraphModule, index: int = 0) -> None:
         super().__init__()
         # A forward generated lazily, on first call, is also one Dynamo will not trace into.
         getattr(graph, "real_recompile", lambda: None)()
         self.graph = graph
+        # Dynamo caches compiled frames per code object, at most ``recompile_limit`` (8) each:
+        # pieces sharing one forward would leave the ninth and later ones uncompiled. Each
+        # piece gets a forward of its own code.
+        shared = type(self).forward
+        code = shared.__code__.replace(co_name=f"forward_piece_{index}")
+        own = types.FunctionType(code, shared.__globals__, code.co_name, shared.__defaults__,
+                                 shared.__closure__)
+        self.forward = types.MethodType(own, self)  # type: ignore[method-assign]
 
     def forward(self, *args: Any) -> Any:
         return self.graph(*args)
