@@ -7,7 +7,8 @@ catches that, holds a roll call through the store, and the members still alive f
 *generation*: a new default process group made from the store, the DDP model moved onto it
 (:meth:`~lockstep.DistributedDataParallel.use_process_group`), every member brought to the
 state of the member that completed the most steps, and the failed step run again in the
-smaller world. The replacement waits at its first :meth:`~Survivors.step` until the first
+smaller world (unless this member's ``optimizer.step()`` had run: then the step counts as done,
+see :meth:`Survivors.step`). The replacement waits at its first :meth:`~Survivors.step` until the first
 member admits it at a step boundary (every ``admit_every`` steps while the world is short) and
 receives the state over the process group; the world is whole again.
 
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.checkpoint.meeting import add_absence_probe
 from lockstep.diagnose.progress import tracker
 from lockstep.distributed import (
     DEFAULT_TIMEOUT,
@@ -46,6 +49,7 @@ from lockstep.distributed import (
     shutdown_distributed,
 )
 from lockstep.env import SURVIVORS_ENV, default_backend
+from lockstep.fsdp.registry import is_sharded
 from lockstep.resilience.losses import LossWatch
 from lockstep.resilience.roster import (
     Member,
@@ -89,6 +93,31 @@ def is_peer_failure(exc: BaseException) -> bool:
     return False
 
 
+def _refuse_fixed_world(model: Any, optimizer: Any) -> None:
+    """Refuse what keeps the process group, rank and world it was built with."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "track(model=...): torch's DistributedDataParallel keeps the process group it "
+            "was built with and cannot follow a new world; wrap the model in "
+            "lockstep.DistributedDataParallel instead (same arguments)"
+        )
+    if isinstance(model, torch.nn.Module) and is_sharded(model):
+        raise TypeError(
+            "track(model=...): a lockstep.fully_shard model keeps the process group, rank and "
+            "world size it was sharded over (each rank holds 1/N of every parameter), so it "
+            "cannot follow a new world; lockstep.Survivors supports lockstep."
+            "DistributedDataParallel with a plain torch optimizer"
+        )
+    zero = sys.modules.get("lockstep.zero.optimizer")  # not imported: not one of its optimizers
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        raise TypeError(
+            "track(optimizer=...): a lockstep.ZeroRedundancyOptimizer keeps the process group "
+            "and rank it was built with (each rank owns a shard of the state), so it cannot "
+            "follow a new world; lockstep.Survivors supports lockstep.DistributedDataParallel "
+            "with a plain torch optimizer (e.g. torch.optim.AdamW)"
+        )
+
+
 class Survivors:
     """Keep a data-parallel loop running through the loss of ranks (see the module docstring).
 
@@ -100,7 +129,8 @@ class Survivors:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         team.track(model, optimizer)
         while team.completed < 1000:
-            with team.step():   # a peer's failure: the step runs again in the smaller world
+            with team.step():   # a peer's failure: the step runs again (or counts, if
+                                # optimizer.step() had run) in the smaller world
                 x = batch_for(team.completed, team.rank, team.world_size)
                 optimizer.zero_grad()
                 model(x).sum().backward()
@@ -142,6 +172,10 @@ class Survivors:
         self._next_consumed: int | None = None
         self._lock = threading.Lock()  # held while the members change (see _watch)
         self._watch: LossWatch | None = None
+        self._stepped = False  # the tracked optimizer stepped during the current step()
+        self._step_hook: Any = None
+        self._unprobe: Any = None
+        self._members: tuple[Member, ...] = ()  # the current world, in rank order
         self.active = os.environ.get(SURVIVORS_ENV) == "1"
         info = init_distributed(backend=backend, timeout=timeout) if not self.active else None
         if info is not None:
@@ -153,6 +187,9 @@ class Survivors:
         self.pid = os.getpid()
         leave_safely_at_exit()  # no init_distributed() here: the groups are made below
         self._store = self._connect()
+        # A Checkpointer's meeting learns of a member's death from the launcher's mark, as the
+        # roll call does (it waited for its own timeout, 10 minutes, before 2026-11-29).
+        self._unprobe = add_absence_probe(self._dead_members)
         if os.environ.get(SPARE_ENV) == "1":
             self._wait_for_a_rank()
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # machines can vanish silently
@@ -183,6 +220,18 @@ class Survivors:
         master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                is_master=False, timeout=timedelta(seconds=self.join_timeout))
         return job_store(master)
+
+    def _dead_members(self, ranks: list[int]) -> dict[int, str]:
+        """Which of ``ranks`` (of the current world) a launcher has marked dead, and how."""
+        dead = {}
+        for rank in ranks:
+            if 0 <= rank < len(self._members) and self._members[rank].slot != self.slot:
+                member = self._members[rank]
+                key = dead_key(member.slot, member.pid)
+                if self._store.check([key]):
+                    dead[rank] = (f"(slot {member.slot}, pid {member.pid}) died: a launcher "
+                                  f"marked it dead ({self._store.get(key).decode()})")
+        return dead
 
     def _member_lost(self, store: Any) -> bool:
         """Has a launcher marked a member of the current world (not this one) dead?"""
@@ -229,36 +278,54 @@ class Survivors:
         """What follows the world: ``model`` (lockstep DDP) moves to each new process group;
         ``model``, ``optimizer`` and every ``state`` object (anything with ``state_dict`` and
         ``load_state_dict``: an LR scheduler, a sampler) are what a member that fell behind or
-        a replacement receives."""
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "track(model=...): torch's DistributedDataParallel keeps the process group it "
-                "was built with and cannot follow a new world; wrap the model in "
-                "lockstep.DistributedDataParallel instead (same arguments)"
-            )
+        a replacement receives.
+
+        The optimizer's steps are watched (a step post-hook): a peer's failure after
+        ``optimizer.step()`` counts the step as done rather than running it again.
+
+        Raises:
+            TypeError: torch's DDP, a ``lockstep.fully_shard`` model or a
+                ``lockstep.ZeroRedundancyOptimizer`` (they keep the world they were built in),
+                or a ``state`` object without ``state_dict``/``load_state_dict``.
+        """
+        _refuse_fixed_world(model, optimizer)
         for name, obj in state.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no "
                                 "state_dict/load_state_dict to send to a replacement")
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
+            self._step_hook = optimizer.register_step_post_hook(self._note_optimizer_step)
         self._model, self._optimizer, self._extra = model, optimizer, state
+
+    def _note_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepped = True
 
     @contextlib.contextmanager
     def step(self) -> Iterator[Survivors]:
-        """One training step. On a peer's failure the exception is caught, the world re-forms
-        and the step is not counted: the loop runs it again. Any other error propagates."""
+        """One training step. On a peer's failure the exception is caught and the world
+        re-forms; a step whose ``optimizer.step()`` (the tracked optimizer's) had run on this
+        member counts as done, and the rest of its body is skipped; a step that had not got
+        that far is not counted, and the loop runs it again. Any other error propagates."""
         if self.active and self._joining:
             self._join()
+        self._stepped = False
         try:
             yield self
         except Exception as exc:
             if not self.active or not is_peer_failure(exc):
                 raise  # this program's own error: the process fails, its peers go on
+            if self._stepped:
+                # The update is applied (its gradients were every member's): running the step
+                # again would apply a second one. Counted before the roll call, this member
+                # reports the step done and is the state source for any member behind.
+                self._count_step()
             self._next_consumed = None
             self._recover(exc)
             return
-        self.completed += 1
-        if self._next_consumed is not None:
-            self._position["consumed"], self._next_consumed = self._next_consumed, None
+        self._count_step()
         if self.active and len(self._members) < self.slots and self.completed % self.admit_every == 0:
             try:
                 self._admit()
@@ -267,8 +334,17 @@ class Survivors:
                     raise
                 self._recover(exc)
 
+    def _count_step(self) -> None:
+        """The step completed: count it and the samples it read."""
+        self.completed += 1
+        if self._next_consumed is not None:
+            self._position["consumed"], self._next_consumed = self._next_consumed, None
+
     def finish(self) -> None:
         """Say the job is done (a replacement still waiting to join then exits) and leave."""
+        if self._unprobe is not None:
+            self._unprobe()
+            self._unprobe = None
         if self._watch is not None:
             self._watch.stop()
             atexit.unregister(self._watch.stop)
