@@ -288,3 +288,19 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
 def default_backend(device: torch.device) -> str:
     """NCCL for CUDA devices, gloo for everything else."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs: it exists and is not a zombie (one
+    killed and not yet reaped has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # it exists, owned by another user
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (macOS): it exists
+        return True

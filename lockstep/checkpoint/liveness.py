@@ -21,11 +21,12 @@ machine, the rank counts as alive and rank 0 waits as before.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import threading
 from pathlib import Path
+
+from lockstep.env import process_runs
 
 try:
     import fcntl
@@ -143,13 +144,4 @@ def _runs_here(name: str) -> bool:
     host, _, pid = name.rpartition("-")
     if host != socket.gethostname() or not pid.isdigit():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError as exc:
-        return exc.errno == errno.EPERM  # exists, owned by someone else
-    # A zombie (killed, not yet reaped by its launcher) has ended: its locks are gone.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    return True
+    return process_runs(int(pid))

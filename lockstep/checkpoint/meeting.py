@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from lockstep.checkpoint.io import CheckpointError
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import default_store, tracker
+from lockstep.env import process_runs
 
 __all__ = ["PeerLostError", "add_absence_probe", "check_agreement", "meet"]
 
@@ -201,7 +201,7 @@ class _Silence:
                     f"failed with an error of its own{error}")
         pid = record.get("pid")
         if record.get("host") == socket.gethostname() and isinstance(pid, int):
-            return None if _runs_here(pid) else f"died (pid {pid} on this host is gone)"
+            return None if process_runs(pid) else f"died (pid {pid} on this host is gone)"
         now, beat = time.monotonic(), int(record.get("beat", 0))
         last = self._beats.get(rank)
         if last is None or last[0] != beat:
@@ -212,23 +212,6 @@ class _Silence:
             return (f"is gone: no sign of life for {silent:.0f}s (its process died or its "
                     "machine was lost)")
         return None
-
-
-def _runs_here(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (a zombie has died)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc (macOS): ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True
-        return True
 
 
 def _refuse_other_directories(

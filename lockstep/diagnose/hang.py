@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lockstep.diagnose.blame import BLAME_FILE, observe_peers, read_blame, write_blame
 from lockstep.diagnose.progress import GroupProgress, tracker
 from lockstep.diagnose.stackdump import request_stack
+from lockstep.env import process_runs
 
 __all__ = [
     "BLAME_FILE",
@@ -91,11 +92,7 @@ class Culprit:
         pid = self.record.get("pid")
         if self.record.get("host") != socket.gethostname() or not isinstance(pid, int):
             return False
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
+        return process_runs(pid)
 
     def where(self) -> str:
         rec = self.record
