@@ -263,7 +263,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="loss_fn must return a single-element tensor"):
         lockstep.Pipeline(_mlp(), 2, loss_fn=lambda o, t: o - t, devices=["cpu"]).step(
             torch.randn(4, 6), target=torch.randn(4, 3))
-    with pytest.raises(TypeError, match="a stage's output must be a tensor or a tuple"):
+    with pytest.raises(TypeError, match="pipeline stage 1's output must be a tensor or a tuple"):
         lockstep.Pipeline([nn.Linear(6, 2), nn.Flatten(0)][:1] + [_Dict()], 1, loss_fn=F.mse_loss,
                           devices=["cpu", "cpu"]).step(torch.randn(2, 6), target=torch.randn(2))
 

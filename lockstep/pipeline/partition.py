@@ -21,6 +21,7 @@ __all__ = [
     "balanced_sizes",
     "measure_layer_times",
     "parameter_counts",
+    "shared_across_stages",
     "split_layers",
     "stage_sizes",
 ]
@@ -92,6 +93,21 @@ def parameter_counts(layers: Sequence[nn.Module]) -> list[int]:
     return counts
 
 
+def shared_across_stages(stages: Sequence[nn.Module]) -> tuple[str, int, str, int] | None:
+    """The first parameter that two stages both use, as ``(name, stage, other name, stage)``.
+
+    A parameter shared by layers that land on different stages (tied embedding and output
+    weights) cannot stay tied once each stage has its own copy on its own rank or device.
+    """
+    owner: dict[int, tuple[str, int]] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            first = owner.setdefault(id(param), (name, index))
+            if first[1] != index:
+                return first[0], first[1], name, index
+    return None
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -102,10 +118,36 @@ def measure_layer_times(
     """Seconds each layer takes for forward and backward on ``sample``, the best of ``repeats``.
 
     The sample flows through the layers in order, so each is timed on its real input shape.
+    The layers' buffers and gradients and the CPU and CUDA random number generators are left
+    as they were (before 2026-11-29 timing updated BatchNorm statistics and advanced the RNG).
 
     Raises:
         RuntimeError: a layer fails on the output of the one before, naming both.
     """
+    # Timing runs the layers for real: keep the model and the random number generators as
+    # they were (BatchNorm statistics, dropout's draws, gradients already there).
+    params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
+    buffers = list({id(b): b for layer in layers for b in layer.buffers()}.values())
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [b.detach().clone() for b in buffers]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    for param in params:
+        param.grad = None  # timing's backward would add into gradients already there
+    try:
+        return _time_layers(layers, sample, repeats)
+    finally:
+        with torch.no_grad():
+            for buf, value in zip(buffers, saved_buffers):
+                buf.copy_(value)
+        for param, grad in zip(params, saved_grads):
+            param.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _time_layers(layers: Sequence[nn.Module], sample: Any, repeats: int) -> list[float]:
     times = []
     inputs = tuple(t.detach() for t in _as_tuple(sample))
     for index, layer in enumerate(layers):
@@ -130,9 +172,6 @@ def measure_layer_times(
             best = min(best, time.perf_counter() - start)
         times.append(best)
         inputs = tuple(t.detach() if torch.is_tensor(t) else t for t in out)
-    layers_params = [p for layer in layers for p in layer.parameters()]
-    for param in layers_params:
-        param.grad = None  # timing must leave no gradient behind
     return times
 
 

@@ -20,7 +20,12 @@ from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.pipeline.checkpoint import StageOptimizerState, load_stage_state, stage_state
 from lockstep.pipeline.local import run_local
-from lockstep.pipeline.partition import Balance, split_layers, stage_sizes
+from lockstep.pipeline.partition import (
+    Balance,
+    shared_across_stages,
+    split_layers,
+    stage_sizes,
+)
 from lockstep.pipeline.ranks import StagePeers, run_rank
 from lockstep.pipeline.schedule import Schedule, forward_only, get_schedule
 from lockstep.pipeline.stage import StageRunner, StageStats, as_tensor_tuple
@@ -89,6 +94,11 @@ class Pipeline(nn.Module):
             self.num_stages = len(self.devices)
             self.stage_indices = list(range(self.num_stages))
             stages = split_layers(module, self.num_stages, balance, sample_input)
+            shared = shared_across_stages(stages)
+            if shared is not None and self.devices[shared[1]] != self.devices[shared[3]]:
+                raise ValueError(_shared_message(
+                    shared, f"on devices {self.devices[shared[1]]} and {self.devices[shared[3]]}, "
+                    "and moving each stage to its device would move the one parameter twice"))
         else:
             stages = [self._init_distributed(module, balance, sample_input, device)]
         self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
@@ -118,7 +128,13 @@ class Pipeline(nn.Module):
         if balance == "time" and isinstance(module, nn.Sequential):
             # Timings differ from rank to rank; every rank must cut at the same places.
             balance = self._agreed_time_balance(module, sample, group)
-        stage = split_layers(module, self.num_stages, balance, sample)[index]
+        stages = split_layers(module, self.num_stages, balance, sample)
+        shared = shared_across_stages(stages)
+        if shared is not None:  # every rank builds the same model, so every rank refuses
+            raise ValueError(_shared_message(
+                shared, "on different ranks, where each would train its own copy and the tie "
+                "would silently come undone"))
+        stage = stages[index]
         for param in stage.parameters():
             mark_stage_param(param, index)  # this rank's own: see pipeline.checkpoint
         return stage
@@ -205,6 +221,56 @@ class Pipeline(nn.Module):
     def stats(self) -> list[StageStats]:
         """What each stage held by this process measured during the last step."""
         return [runner.stats for runner in getattr(self, "_runners", [])]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of every stage by the norm of the whole model's gradients.
+
+        With one stage per rank, torch's ``clip_grad_norm_(pipe.parameters())`` sees this rank's
+        stage only and would clip each stage by its own norm. This sums the stages' ``p``-th
+        powers (the maximum for ``inf``) with one all-reduce over the pipeline's ranks, so every
+        stage is scaled by the same factor, as torch's function would on the unsplit model.
+        Every rank of the pipeline must call it. With DDP replicas of each stage the gradients
+        are already averaged over the replicas; the norm is taken over the pipeline's stages.
+
+        Args:
+            max_norm: the largest norm the gradients may have.
+            norm_type: ``p`` of the norm (a positive number, or ``inf``).
+            error_if_nonfinite: raise if the total norm is ``nan`` or ``inf``.
+
+        Returns:
+            The total norm of the whole model's gradients (before clipping), on every rank.
+        """
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.is_distributed:
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"Pipeline.clip_grad_norm_ needs a positive norm_type or inf, got "
+                             f"{norm_type}")
+        device = self.devices[0]
+        inf = norm_type == float("inf")
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad.detach(), norm_type).to(device, torch.float64)
+            local = torch.maximum(local, norm) if inf else local + norm ** norm_type
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        hang.run(group_progress(self.process_group), "Pipeline.clip_grad_norm_ all-reduce",
+                 lambda: dist.all_reduce(local, op=op, group=self.process_group))
+        total = local if inf else local ** (1.0 / norm_type)
+        dtype = grads[0].dtype if grads else torch.float32
+        total = total.to(dtype)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the pipeline's gradients is "
+                f"{total.item()}, so they cannot be clipped; pass error_if_nonfinite=False to "
+                "clip anyway")
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Run ``inputs`` through every stage without gradients; :meth:`step` trains.
@@ -294,6 +360,16 @@ class Pipeline(nn.Module):
         parts = [_split(_to(t, self.devices[0]), self.chunks, f"input {i}")
                  for i, t in enumerate(batch)]
         return [tuple(p[k] for p in parts) for k in range(self.chunks)]
+
+
+def _shared_message(shared: tuple[str, int, str, int], where: str) -> str:
+    name, stage, other, other_stage = shared
+    also = "" if other == name else f" (as {other!r} there)"
+    return (
+        f"parameter {name!r} is used by stage {stage} and by stage {other_stage}{also}: the "
+        f"stages would run {where}. Put both uses on one stage (choose the cut with balance=[...]) "
+        "or untie the parameter (give each use its own copy)"
+    )
 
 
 def _split(value: Any, chunks: int, what: str) -> list[torch.Tensor]:

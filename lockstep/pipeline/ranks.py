@@ -182,7 +182,20 @@ def run_rank(
     # Only on success: after a failure the neighbour may never take these messages, and
     # waiting would turn the error into a hang.
     pending.finish()
+    _arm_buffer_sync(runner.module, synced=last_backward is not None)
     return outputs, losses
+
+
+def _arm_buffer_sync(module: torch.nn.Module, synced: bool) -> None:
+    """Let the next step's first forward broadcast a data-parallel wrapper's buffers.
+
+    DDP broadcasts buffers (BatchNorm statistics) in a forward that follows a synchronised
+    one. Every forward of a pipeline step runs under ``no_sync``, so without this the replicas'
+    buffers were synced in the very first forward only and drifted apart afterwards (until
+    2026-11-29). As with DDP, a step run inside the user's ``no_sync()`` does not arm it.
+    """
+    if hasattr(module, "no_sync") and hasattr(module, "require_forward_param_sync"):
+        setattr(module, "require_forward_param_sync", synced)  # noqa: B010 - DDP's flag
 
 
 def _forward(

@@ -21,6 +21,8 @@ __all__ = ["StageRunner", "StageStats", "as_tensor_tuple"]
 
 # Errors that say a layer got a tensor of the wrong shape (a stage boundary in the wrong place).
 _SHAPE_ERROR = re.compile(r"shape|size|cannot be multiplied|dimension|mat1|mat2", re.IGNORECASE)
+# torch's error for an in-place operation on a stage input (a leaf that requires grad).
+_IN_PLACE_ERROR = re.compile(r"leaf Variable that requires grad .* in-place operation")
 
 
 def as_tensor_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -117,6 +119,7 @@ class StageRunner:
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
+        self._first_layer_in_place = _first_layer_in_place(module)
 
     @property
     def is_first(self) -> bool:
@@ -141,14 +144,30 @@ class StageRunner:
         """
         start = time.perf_counter()
         training = torch.is_grad_enabled()
+        given = inputs
         if training and not self.is_first:
             # The stage's graph starts here: the gradient of these is what goes back.
             inputs = tuple(
                 t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in inputs
             )
+            given = inputs
+            if self._first_layer_in_place:
+                # A layer working in place cannot write into a leaf that requires grad: give
+                # it a copy (a non-leaf whose gradient flows back to the leaf).
+                given = tuple(t.clone() if t.requires_grad else t for t in inputs)
         counter = _SavedBytes(self.module)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            outputs = as_tensor_tuple(self._call_module(microbatch, inputs), "a stage's output")
+            outputs = as_tensor_tuple(self._call_module(microbatch, given),
+                                      f"pipeline stage {self.index}'s output")
+        if self.is_last:
+            for position, t in enumerate(outputs):
+                if t.dim() == 0:
+                    raise ValueError(
+                        f"pipeline stage {self.index} (the last) returned a 0-dim tensor as output "
+                        f"{position}: the last stage's outputs are joined along dimension 0 over "
+                        "the micro-batches, so each needs a batch dimension. Return it with one "
+                        "(e.g. aux.reshape(1), one value per micro-batch), or compute it in "
+                        "loss_fn")
         loss = None
         if training and self.is_last and self.loss_fn is not None:
             loss = self._loss(outputs, target)
@@ -208,6 +227,11 @@ class StageRunner:
             hint = (f" If these shapes are not what stage {self.index}'s first layer takes, the "
                     "stage boundary is wrong: check the stage split (balance) and the layer sizes "
                     "on both sides." if _SHAPE_ERROR.search(str(exc)) else "")
+            if _IN_PLACE_ERROR.search(str(exc)):
+                hint = (f" A layer of stage {self.index} writes in place into the stage's input, "
+                        "which the pipeline makes a leaf that requires grad: use inplace=False "
+                        "for that layer, or move the cut (balance=[...]) so that it is not right "
+                        "after one.")
             raise RuntimeError(
                 f"pipeline stage {self.index} failed in forward on micro-batch {microbatch} with "
                 f"inputs of shapes [{shapes}] from {source}: {type(exc).__name__}: {exc}.{hint}"
@@ -270,6 +294,19 @@ class StageRunner:
         pairs = [(t, g) for t, g in zip(floats, grads) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _first_layer_in_place(module: nn.Module) -> bool:
+    """Whether the first layer of a sequential stage works in place (``ReLU(inplace=True)``)."""
+    while True:
+        inner = getattr(module, "module", None)  # a data-parallel wrapper's module
+        if isinstance(inner, nn.Module):
+            module = inner
+        elif isinstance(module, nn.Sequential) and len(module) > 0:
+            module = module[0]
+        else:
+            break
+    return bool(getattr(module, "inplace", False))
 
 
 def _is_float(tensor: torch.Tensor) -> bool:
