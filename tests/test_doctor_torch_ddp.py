@@ -373,3 +373,22 @@ def test_a_bounded_torch_ddp_run_still_runs_the_scripts_atexit_handlers(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "doctor" / "world1" / "profile.json").read_text())["steps"]
     assert marker.read_text() == "ran", proc.stderr[-2000:]
+
+
+def test_the_doctors_own_global_hooks_do_not_make_torch_compile_warn_at_every_call():
+    # torch.compile warns at each call of a compiled module while global module hooks exist;
+    # the doctor's are its own, and the warning came 21 times in an outside audit's run.
+    import warnings
+
+    from lockstep.doctor.torch_ddp import TorchDDPWatch
+
+    compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message="Using `torch.compile")  # shown if not hidden
+        watch = TorchDDPWatch(SETTINGS)
+        try:
+            compiled(torch.ones(1, 2))
+            compiled(torch.ones(1, 2))
+        finally:
+            watch.close()
+    assert not [w for w in caught if "global hooks" in str(w.message)]

@@ -50,6 +50,7 @@ import functools
 import logging
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -285,6 +286,9 @@ class DDPObserver:
         self.recorder.close()
 
 
+_COMPILE_GLOBAL_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks"
+
+
 class TorchDDPWatch:
     """Finds the models to record (see the module docstring); :meth:`close` removes every hook."""
 
@@ -301,6 +305,11 @@ class TorchDDPWatch:
         self._handles = [register_module_forward_pre_hook(self._module_pre),
                          register_module_forward_hook(self._module_post),
                          register_optimizer_step_pre_hook(self._optimizer_pre)]
+        # torch.compile warns at every call of a compiled module while global hooks exist:
+        # these are the doctor's own (the script has none of them), so the warning, 21 lines
+        # in an outside audit's run, says nothing about the script. The doctor's process runs
+        # one script, so the filter stays for its life.
+        warnings.filterwarnings("ignore", message=_COMPILE_GLOBAL_HOOKS, category=UserWarning)
         # Registered now, before the script runs: atexit runs the last registered first, so
         # every handler the script registers (loggers, wandb, lock files) runs before this one,
         # which may end the process with os._exit (see _at_exit). Registered at the first
