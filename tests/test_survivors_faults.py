@@ -203,7 +203,7 @@ def test_a_peer_lost_after_the_optimizer_step_counts_the_step_once(tmp_path) -> 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("first", [
-    pytest.param(False, id="save-after-update"),
+    pytest.param(False, id="save-after-update", marks=pytest.mark.slow),
     pytest.param(True, id="save-first", marks=pytest.mark.slow),
 ])
 def test_a_peer_killed_before_its_save_is_a_peer_failure_within_seconds(tmp_path, first) -> None:
@@ -267,6 +267,8 @@ def _free_port() -> int:
     raise RuntimeError("no free port in 45000-45999")
 
 
+# The meeting's death check runs in the default tier through this plain job; both survivors
+# save cases run in the slow tier (about 14 s each).
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_a_plain_job_whose_peer_died_fails_the_meeting_at_once(tmp_path) -> None:
