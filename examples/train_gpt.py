@@ -251,7 +251,8 @@ def report(rt: lockstep.Runtime, args: argparse.Namespace, result: dict, wall: f
         "wall_time_s": round(wall, 2),
         "tokens_per_s": round(tokens / result["train_time"], 1),
         "resumed_at_step": result["first_step"] - 1 if result["first_step"] > 1 else None,
-        "grad_reduce": args.grad_reduce,
+        # A world of one reduces nothing: no reduction to name (the flag stays in "args").
+        "grad_reduce": args.grad_reduce if rt.world_size > 1 else None,
         "grad_bytes_per_step": result["grad_bytes_per_step"],
         "first_step_train_loss": history["train"][0][1],
         "final_train_loss": history["train"][-1][1],
