@@ -42,7 +42,12 @@ the last replacement reaches its event (the mean over kills, in seconds):
 - redone steps: (the highest step that the killed processes recorded - the restored step) x
   the failure-free step time (from the failure-free run's steps).
 
-Their sum stands next to the first table's "lost per kill", which it should roughly match.
+Their sum stands next to the first table's "lost per kill", which it should roughly match, and
+gives "goodput from the parts", ``1 - kills x sum / --seconds``: what the kills cost, free of the
+difference in speed between the failure-free run and the run with kills (on a shared machine two
+runs of the same mode differ by up to 10%, as much as seven kills cost). ``--repeats N`` runs N
+such pairs per mode, alternately, and the first table gives the median pair and every pair's
+goodput.
 Not covered: the step in flight at the kill (under one step), steps after the first that run
 slower than failure-free ones, and the start-up that "lost per kill" folds into the
 failure-free rate (steps / ``--seconds``), which inflates it by ``--seconds / (--seconds -
@@ -240,7 +245,12 @@ def main() -> None:
                         help="give up on a run this many seconds after its deadline")
     parser.add_argument("--spares", type=int, default=1,
                         help="warm spares in the survivors mode (lockstep run --spares)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pairs of runs per mode (failure-free, then with kills, "
+                             "alternately): the row gives the median pair and every pair")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     rng = random.Random(args.seed)
     print(f"world {args.world}, {args.seconds:.0f} s per run, a SIGKILL every "
           f"{args.kill_every:.0f} s, a checkpoint every {args.every} steps")
@@ -252,24 +262,30 @@ def main() -> None:
     try:
         for mode in args.modes:
             try:
-                free_run = run_once(mode, args.world, args.seconds, None, args.every, rng,
-                                    spares=args.spares)
-                hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every,
-                                   rng, args.stuck_after, args.spares)
+                pairs = [run_pair(mode, args, rng) for _ in range(args.repeats)]
             except RuntimeError as err:  # one mode's failure leaves the others' rows
                 print(f"| {mode} | failed: {str(err).splitlines()[0]} |||||", flush=True)
                 continue
+            # The median pair by sample goodput stands for the mode (of an even number, the
+            # lower middle one); every pair is listed.
+            ranked = sorted(pairs, key=lambda pair: pair[1].samples / pair[0].samples)
+            free_run, hit_run = ranked[(len(ranked) - 1) // 2]  # the lower of two middles
             free, hit, kills = free_run.steps, hit_run.steps, len(hit_run.kills)
             sampled = hit_run.samples / free_run.samples
             # Counted in samples: a degraded step (survivors) is not a whole step's training.
             lost = (1 - sampled) * args.seconds / kills if kills else 0.0
-            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {sampled:.2f} | {kills} "
-                  f"| {lost:.2f} |", flush=True)
+            every_pair = (" (pairs: " + ", ".join(f"{h.samples / f.samples:.2f}"
+                                                   for f, h in pairs) + ")"
+                          if len(pairs) > 1 else "")
+            print(f"| {mode} | {free} | {hit} | {hit / free:.2f} | {sampled:.2f}{every_pair} "
+                  f"| {kills} | {lost:.2f} |", flush=True)
             per_step = step_time(free_run)
             found = [split for i in range(kills) if (split := split_kill(hit_run, i, per_step))]
             splits = [parts for parts, _ in found]
             means = [sum(column) / len(splits) for column in zip(*splits)] if splits else []
             cells = [f"{m:.2f}" for m in [*means, sum(means)]] if splits else ["-"] * (len(PARTS) + 2)
+            # What the parts alone would leave: free of the two runs' difference in speed.
+            cells.append(f"{1 - kills * sum(means) / args.seconds:.2f}" if splits else "-")
             split_rows.append(f"| {mode} | {len(splits)} of {kills} | {sum(r for _, r in found)} | "
                               f"{per_step * 1e3:.1f} | {' | '.join(cells)} | {lost:.2f} |")
             if MODES[mode][0] == "lockstep-survivors":
@@ -286,6 +302,18 @@ def main() -> None:
             print("|---|---|---|---|---|---|---|")
             for row in survivor_rows:
                 print(row, flush=True)
+
+
+def run_pair(mode: str, args: argparse.Namespace, rng: random.Random) -> tuple[Run, Run]:
+    """A failure-free run of ``mode``, then one with a kill every ``--kill-every`` seconds."""
+    free_run = run_once(mode, args.world, args.seconds, None, args.every, rng,
+                        spares=args.spares)
+    if free_run.samples == 0:
+        raise RuntimeError(f"no step in {args.seconds:.0f} s without failures: give more "
+                           "--seconds")
+    hit_run = run_once(mode, args.world, args.seconds, args.kill_every, args.every, rng,
+                       args.stuck_after, args.spares)
+    return free_run, hit_run
 
 
 def survivors_row(mode: str, run: Run, per_step: float, lost: float) -> str:
@@ -316,8 +344,8 @@ def print_split(split_rows: list[str]) -> None:
     print("\nTime lost per kill, by part (mean seconds per kill; see the docstring):")
     names = [name for name, _ in PARTS] + ["redone steps"]
     print(f"| mode | kills split | failed restarts | step (ms) | {' | '.join(names)} | sum "
-          "| lost per kill |")
-    print("|---" * (len(names) + 6) + "|")
+          "| goodput from the parts | lost per kill |")
+    print("|---" * (len(names) + 7) + "|")
     for row in split_rows:
         print(row, flush=True)
 
