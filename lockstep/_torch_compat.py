@@ -36,6 +36,9 @@ __all__ = [
     "default_store",
     "flatten_dense_tensors",
     "forget_shared_store_server",
+    "is_loader_iterator",
+    "loader_batches_yielded",
+    "loader_index_sampler",
     "optimizer_state_dict_hooks",
     "preserve_version_counter",
     "queue_callback",
@@ -330,3 +333,38 @@ def ddp_ignored_names(module: nn.Module) -> frozenset[str]:
     lockstep's or torch's class)."""
     names = getattr(module, _DDP_IGNORE_ATTR, None) or ()
     return frozenset(n for n in names if isinstance(n, str))
+
+
+# ---- a DataLoader iterator's position ---------------------------------------------------------
+# A DataLoader with worker processes reads its sampler ahead of the training loop; how many
+# batches the loop really received is the iterator's private count. lockstep's samplers read it
+# so that a checkpoint mid-epoch resumes after the last batch trained on, not the last read.
+
+
+def is_loader_iterator(obj: object) -> bool:
+    """Whether ``obj`` is the iterator a ``DataLoader`` returns (``_BaseDataLoaderIter``)."""
+    try:
+        base = torch.utils.data.dataloader._BaseDataLoaderIter
+    except AttributeError as err:
+        raise _missing("torch.utils.data.dataloader._BaseDataLoaderIter",
+                       "to find the DataLoader that reads a sampler", err) from err
+    return isinstance(obj, base)
+
+
+def loader_index_sampler(state: dict[str, Any]) -> Any:
+    """What a DataLoader iterator (given as ``vars(iterator)``) draws indices from: its batch
+    sampler, or its sampler when it does not batch (``batch_size=None``)."""
+    try:
+        return state["_index_sampler"]
+    except KeyError as err:
+        raise _missing("DataLoader iterator's _index_sampler",
+                       "to tell how many samples a batch holds", err) from err
+
+
+def loader_batches_yielded(state: dict[str, Any]) -> int:
+    """How many batches a DataLoader iterator (given as ``vars(iterator)``) has handed out."""
+    try:
+        return int(state["_num_yielded"])
+    except KeyError as err:
+        raise _missing("DataLoader iterator's _num_yielded",
+                       "to count the batches the training loop has received", err) from err

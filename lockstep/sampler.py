@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lockstep.env import detect_process_info
+from lockstep.loader_position import LoaderPosition
 
 __all__ = ["DistributedSampler", "shard_length", "world_from_context"]
 
@@ -138,6 +139,7 @@ class DistributedSampler(Sampler[int]):
         self._pass_skip = 0
         self._pass_len = self.num_samples
         self._yielded = 0
+        self._reader: LoaderPosition | None = None  # the DataLoader reading the current pass
         self._passes_this_epoch = 0
         self._complete_this_epoch = False
         self._warned = False
@@ -165,6 +167,7 @@ class DistributedSampler(Sampler[int]):
             self.epoch = epoch
             self._skip = self._pad_origin = 0
             self._pass_skip, self._pass_len, self._yielded = 0, self.num_samples, 0
+            self._reader = None
             self._passes_this_epoch = 0
             self._complete_this_epoch = False
             self._replay_pending = False  # the last pass was a peek before this set_epoch
@@ -223,10 +226,13 @@ class DistributedSampler(Sampler[int]):
         order = self._global_order()
         shard = order[self.rank : len(order) : self.num_replicas]
         self._pass_skip, self._pass_len, self._yielded = self._skip, len(shard), 0
+        self._reader = None
         return self._count(shard)
 
     def _count(self, shard: list[int]) -> Iterator[int]:
         for index in shard:
+            if not self._yielded:  # the DataLoader reading this pass, if one does
+                self._reader = LoaderPosition.of_caller(self)
             self._yielded += 1
             yield index
         # The pass is over: a later iteration of this epoch starts from its beginning.
@@ -239,11 +245,16 @@ class DistributedSampler(Sampler[int]):
         """How many positions of this epoch's global order the whole job has consumed.
 
         Args:
-            samples_per_rank: samples each rank has actually used in this pass; by default
-                the number this sampler has yielded (a ``DataLoader`` with worker processes
-                reads ahead of the training loop, so pass the true count there).
+            samples_per_rank: samples each rank has actually used in this pass. By default,
+                what the ``DataLoader`` reading this sampler has handed to the loop (a loader
+                with worker processes reads ahead of it: the samples read ahead are not
+                counted), or, with no ``DataLoader`` or one reading through a batch sampler
+                other than torch's ``BatchSampler``, what this sampler has yielded.
         """
-        used = self._yielded if samples_per_rank is None else samples_per_rank
+        used = samples_per_rank
+        if used is None:
+            finished = self._yielded >= self._pass_len
+            used = self._reader.used(self._yielded, finished) if self._reader else self._yielded
         if used >= self._pass_len:
             return len(self.dataset)  # the pass is complete, padding and dropped tail included
         return min(self._pass_skip + used * self.num_replicas, len(self.dataset))
@@ -310,6 +321,7 @@ class DistributedSampler(Sampler[int]):
         else:
             self._pad_origin = consumed
         self._pass_skip, self._pass_len, self._yielded = consumed, self.num_samples, 0
+        self._reader = None
         self._passes_this_epoch = 0
         self._complete_this_epoch = False
         self._replay_pending = False

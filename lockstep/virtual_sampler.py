@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from lockstep.loader_position import LoaderPosition
 from lockstep.sampler import world_from_context
 from lockstep.virtual_world import check_virtual_shards, resolve_virtual_shards
 
@@ -76,6 +77,7 @@ class VirtualShardSampler(Sampler[list[int]]):
         self._skip = 0  # steps of this epoch already done before a resume: the next pass skips them
         self._pass_skip = 0  # what the current (or last) pass skipped, for state_dict
         self._yielded = 0
+        self._reader: LoaderPosition | None = None  # the DataLoader reading the current pass
 
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch - self._skip
@@ -84,6 +86,7 @@ class VirtualShardSampler(Sampler[list[int]]):
         """Select the epoch's permutation; a resumed position applies to its own epoch only."""
         if epoch != self.epoch:
             self._skip = self._pass_skip = self._yielded = 0  # a save now is at the top of the new epoch
+            self._reader = None
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -94,10 +97,12 @@ class VirtualShardSampler(Sampler[list[int]]):
             order = torch.arange(n)
         mine = self.shard_size * self.shards_per_rank
         begin = self.rank * mine
-        skip, self._yielded = self._skip, 0
+        skip, self._yielded, self._reader = self._skip, 0, None
         self._pass_skip = skip
         for step in range(skip, n // self.global_batch):
             batch = order[step * self.global_batch : (step + 1) * self.global_batch]
+            if not self._yielded:  # the DataLoader reading this pass, if one does
+                self._reader = LoaderPosition.of_caller(self)
             self._yielded += 1
             yield batch[begin : begin + mine].tolist()
         self._skip = 0  # a pass after this one is a whole epoch; state_dict still counts this one
@@ -106,10 +111,14 @@ class VirtualShardSampler(Sampler[list[int]]):
         """``{"epoch", "steps", "virtual_shards", "shard_size", "seed"}``, the same on every rank.
 
         Args:
-            steps: steps of this epoch the loop has used since the pass began; by default the
-                batches yielded (a ``DataLoader`` reads ahead, so pass the true count there).
+            steps: steps of this epoch the loop has used since the pass began. By default,
+                the batches the ``DataLoader`` reading this sampler has handed to the loop (one
+                with worker processes reads ahead of it: those read ahead are not counted), or,
+                read without a ``DataLoader``, the batches yielded.
         """
-        done = self._pass_skip + (self._yielded if steps is None else steps)
+        if steps is None:
+            steps = self._reader.used(self._yielded, False) if self._reader else self._yielded
+        done = self._pass_skip + steps
         return {"epoch": self.epoch, "steps": done, "virtual_shards": self.virtual_shards,
                 "shard_size": self.shard_size, "seed": self.seed, "shuffle": self.shuffle}
 
@@ -139,4 +148,5 @@ class VirtualShardSampler(Sampler[list[int]]):
                 f"{self.global_batch}) has {per_epoch}: resume with the dataset it was saved with"
             )
         self.epoch, self._skip, self._yielded = int(state["epoch"]), steps, 0
+        self._reader = None
         self._pass_skip = self._skip

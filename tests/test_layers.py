@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", [
         "lockstep._torch_compat", "lockstep._torch_compat_compile", "lockstep.env", "lockstep.tensors",
         "lockstep.lazy", "lockstep.teardown", "lockstep.virtual_world", "lockstep.profilers",
-        "lockstep.rejoin", "lockstep.wrappers", "lockstep.shards",
+        "lockstep.rejoin", "lockstep.wrappers", "lockstep.shards", "lockstep.loader_position",
     ]),
     ("diagnose", [
         "lockstep.diagnose",

@@ -236,3 +236,20 @@ def test_missing_rendezvous_internals_name_the_torch_version():
         compat.rendezvous_internals(object())
     with pytest.raises(compat.TorchCompatError, match="_shared_tcp_store_server"):
         compat.forget_shared_store_server(object())
+
+
+def test_loader_iterator_position_names():
+    from torch.utils.data import DataLoader
+
+    from lockstep._torch_compat import (
+        is_loader_iterator,
+        loader_batches_yielded,
+        loader_index_sampler,
+    )
+
+    loader = DataLoader(list(range(10)), batch_size=3)
+    it = iter(loader)
+    assert is_loader_iterator(it) and not is_loader_iterator(loader)
+    next(it)
+    assert loader_batches_yielded(vars(it)) == 1
+    assert loader_index_sampler(vars(it)) is loader.batch_sampler
