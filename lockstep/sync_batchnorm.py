@@ -48,6 +48,38 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return torch.stack(parts)
 
 
+def _check_channels(channels: int, group: dist.ProcessGroup) -> None:
+    """Raise on every rank of ``group`` when its ranks built SyncBatchNorm for different C.
+
+    Their statistics would otherwise be gathered in messages of different sizes, which gloo
+    answers by aborting one rank and handing another a partly filled buffer.
+    """
+    every = _all_gather(torch.tensor([channels], dtype=torch.int64), group)
+    counts = [int(c) for c in every.flatten().tolist()]
+    if len(set(counts)) > 1:
+        ranks = dist.get_process_group_ranks(group)
+        listed = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
+        raise ValueError(
+            f"SyncBatchNorm: the ranks built this layer for different numbers of channels "
+            f"({listed}); every rank must build the same model"
+        )
+
+
+def _check_dtypes(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> None:
+    """Refuse what ``F.batch_norm`` refuses: parameters or running statistics of another dtype
+    than the input, unless the input is float16/bfloat16 and they are float32."""
+    kinds = {t.dtype for t in tensors if t is not None}
+    if not kinds or kinds == {x.dtype}:
+        return
+    if x.dtype in (torch.float16, torch.bfloat16) and kinds == {torch.float32}:
+        return
+    raise RuntimeError(
+        f"SyncBatchNorm: mixed dtype: the input is {x.dtype} but the layer's parameters or "
+        f"running statistics are {sorted(str(k) for k in kinds)}; as BatchNorm, it needs them "
+        "alike (or a float16/bfloat16 input with float32 ones): convert the model or the input"
+    )
+
+
 def _global_stats(
     x: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -101,10 +133,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x_hat = (x - _channel_view(mean, x)) * _channel_view(invstd, x)
         y = x_hat
         if weight is not None:
-            assert bias is not None, "affine BatchNorm has both weight and bias"
-            y = y * _channel_view(weight.to(x.dtype), x) + _channel_view(bias.to(x.dtype), x)
+            y = y * _channel_view(weight.to(x.dtype), x)
+        if bias is not None:  # none with affine=False, or a torch 2.13 BatchNorm(bias=False)
+            y = y + _channel_view(bias.to(x.dtype), x)
         ctx.save_for_backward(x_hat, invstd, weight)  # type: ignore[arg-type]  # None allowed
         ctx.group, ctx.total = group, total  # type: ignore[attr-defined]
+        ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
         count = torch.tensor(total, device=x.device)
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
@@ -135,9 +169,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             )
             grad_x = centred * _channel_view(scale, x_hat)
         grad_w = grad_b = None
-        if weight is not None:
-            grad_w = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_b = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = sum_dy_xhat.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = sum_dy.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -145,7 +180,7 @@ class SyncBatchNorm(BatchNormBase):
     """BatchNorm over the global batch: statistics are summed over the ranks of a group.
 
     Same arguments and state dict as ``torch.nn.SyncBatchNorm`` and the ``BatchNorm*d``
-    classes; accepts inputs of 2 to 5 dimensions (N, C, ...). In eval mode it uses the running
+    classes; accepts inputs of 2 or more dimensions (N, C, ...). In eval mode it uses the running
     statistics and communicates nothing; in a world of one (or with no process group) it
     never communicates.
 
@@ -156,6 +191,7 @@ class SyncBatchNorm(BatchNormBase):
         affine: learn a per-channel weight and bias.
         track_running_stats: keep running mean and variance for eval.
         process_group: the ranks to share statistics with; ``None`` means the default group.
+        bias: with ``affine``, learn a bias too (``False``: a weight alone; torch 2.13's).
 
     Example::
 
@@ -173,9 +209,22 @@ class SyncBatchNorm(BatchNormBase):
         process_group: dist.ProcessGroup | None = None,
         device: Any = None,
         dtype: Any = None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        # Only a torch whose BatchNorm has ``bias=`` (2.13) is given it, so older ones still work.
+        extra = {} if bias else {"bias": False}
+        try:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
+                             dtype, **extra)
+        except TypeError as err:
+            if extra and "bias" in str(err):
+                raise TypeError(
+                    f"SyncBatchNorm(bias=False) needs a torch whose BatchNorm takes bias=; torch "
+                    f"{torch.__version__} does not: upgrade torch, or use bias=True") from err
+            raise
         self.process_group = process_group
+        self._channels_checked: set[int] = set()  # ids of groups whose ranks agreed on C
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -213,6 +262,11 @@ class SyncBatchNorm(BatchNormBase):
             # Nobody to talk to: plain batch norm, as torch's class does (so a world of one
             # gives torch's own values, and double backward works).
             return self._local_batch_norm(input)
+        _check_dtypes(input, [self.weight, self.bias, self.running_mean, self.running_var])
+        checked = self.__dict__.setdefault("_channels_checked", set())
+        if id(group) not in checked:  # once per group: one small all-gather
+            _check_channels(self.num_features, group)
+            checked.add(id(group))
         # Statistics in float32 even under autocast: bf16 sums over a batch lose too much.
         with torch.autocast(device_type=input.device.type, enabled=False):
             work = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
@@ -267,6 +321,7 @@ class SyncBatchNorm(BatchNormBase):
             converted = cls(
                 module.num_features, module.eps, module.momentum, module.affine,
                 module.track_running_stats, process_group,
+                bias=not module.affine or getattr(module, "bias", None) is not None,
             )
             if module.affine:
                 with torch.no_grad():

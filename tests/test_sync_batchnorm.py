@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -189,3 +191,49 @@ def _rank0_evaluates_alone(rank: int) -> bool:
 
 def test_eval_without_running_stats_stays_local():
     assert lockstep.spawn(_rank0_evaluates_alone, 2, timeout=60) == [True, True]
+
+
+def test_bias_false_converts_and_loads_torchs_state():
+    """torch 2.13's BatchNorm(bias=False): a weight without a bias, as torch's SyncBatchNorm."""
+    source = torch.nn.BatchNorm1d(C, bias=False)
+    converted = SyncBatchNorm.convert_sync_batchnorm(source)
+    assert converted.bias is None and converted.weight is source.weight
+    built = SyncBatchNorm(C, bias=False)
+    built.load_state_dict(torch.nn.SyncBatchNorm(C, bias=False).state_dict())
+    assert sorted(built.state_dict()) == sorted(torch.nn.SyncBatchNorm(C, bias=False).state_dict())
+
+
+def _disagreements(rank: int) -> dict:
+    lockstep.init_distributed()
+    found = {}
+    # bias=False over two ranks equals BatchNorm(bias=False) over the whole batch.
+    x = torch.randn(8, C, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    reference = torch.nn.BatchNorm1d(C, bias=False)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(6))
+    layer = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    out = layer(x[rank * 4 : rank * 4 + 4])
+    out.square().sum().backward()
+    expected = reference(x)
+    expected[rank * 4 : rank * 4 + 4].square().sum().backward()
+    found["bias_false"] = _diff(out, expected[rank * 4 : rank * 4 + 4])
+    found["bias_false_grad"] = _diff(layer.weight.grad, reference.weight.grad)
+    # A float64 input for a float32 layer is refused, as BatchNorm refuses it at any world size.
+    try:
+        SyncBatchNorm(C)(torch.randn(4, C, dtype=torch.float64))
+    except RuntimeError as err:
+        found["mixed"] = str(err)
+    # Ranks that built the layer for different channel counts are told so, on every rank.
+    try:
+        SyncBatchNorm(C + rank)(torch.randn(4, C + rank))
+    except ValueError as err:
+        found["channels"] = str(err)
+    return found
+
+
+def test_disagreeing_ranks_and_bias_false_over_two_ranks():
+    for found in lockstep.spawn(_disagreements, 2, timeout=120):
+        # Each rank's weight gradient is its own slice's loss's, as the reference's.
+        assert found["bias_false"] < 1e-5 and found["bias_false_grad"] < 1e-5
+        assert "mixed dtype" in found["mixed"] and "torch.float64" in found["mixed"]
+        assert f"rank 0: {C}, rank 1: {C + 1}" in found["channels"]
