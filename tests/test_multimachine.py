@@ -366,6 +366,22 @@ def test_a_port_held_by_another_program_is_named_at_the_deadline():
         assert time.monotonic() - start < 10
 
 
+def test_a_loopback_client_with_no_host_yet_says_it_cannot_reach_it():
+    """``--rdzv-conf is_host=0`` on one machine before anyone hosts: nothing listens, so the
+    message is "cannot reach" (is the host started?), not "another program holds the port"."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from lockstep.launcher.stores import open_loopback_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free again once closed: nothing listens there
+    with pytest.raises(RendezvousConnectionError, match=f"cannot reach the rendezvous at "
+                                                       f"127.0.0.1:{port}"):
+        open_loopback_store(port, timedelta(seconds=60), host=False,
+                            deadline=time.monotonic() + 2)
+
+
 def test_a_member_whose_launcher_stopped_answering_is_lost_until_the_rendezvous_closes():
     """A machine that died while this one's workers wait for its workers (init_process_group)
     makes num_nodes_waiting() restart them without it; one that ended closed the rendezvous."""

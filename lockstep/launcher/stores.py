@@ -91,6 +91,7 @@ def open_loopback_store(
         if host:
             raise RuntimeError(f"{LOOPBACK_HOST}:{port} is taken; cannot host the rendezvous store")
         until = deadline or time.monotonic() + timeout.total_seconds()
+        _reach(LOOPBACK_HOST, port, until, report)  # nothing listens yet: say so, not "another program"
         return _connect(LOOPBACK_HOST, port, timeout, until, report), False
     bound_port = sock.getsockname()[1]
     # The store takes ownership of the descriptor, so Python must not close it.
