@@ -771,3 +771,19 @@ def test_a_save_below_a_kept_higher_step_is_warned(tmp_path):
         warnings.simplefilter("error")
         Checkpointer(tmp_path, keep=1).save(4, model=model, blocking=True)
     assert Checkpointer(tmp_path).latest().name == "step_000000000004"
+
+
+def test_a_directory_missing_on_this_machine_is_said_to_be_probably_not_shared(tmp_path):
+    """Another machine's rank made the step directory; here it is missing: the checkpoint
+    directory is not shared. The error says so instead of a bare ENOENT."""
+    from lockstep.checkpoint.io import CheckpointError, check_length, save_atomic
+
+    unseen = tmp_path / "step_000000000004" / "state.pt"
+    with pytest.raises(CheckpointError, match="missing on this machine.*not shared by every"):
+        check_length(unseen)
+    with pytest.raises(CheckpointError, match="missing on this machine.*not shared by every"):
+        save_atomic(unseen, {"a": torch.ones(2)})
+    present = tmp_path / "absent.pt"  # its directory exists: a plain missing file, no hint
+    with pytest.raises(CheckpointError) as err:
+        check_length(present)
+    assert "shared" not in str(err.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import socket
 import zlib
 from collections import OrderedDict
 from collections.abc import Collection
@@ -365,7 +366,25 @@ def describe_os_error(exc: OSError, path: Path, size: int | None = None) -> str:
             f"cannot write {path}: {exc.strerror}. Choose a checkpoint directory this user can "
             "write to; the previous checkpoint is untouched."
         )
-    return f"cannot write {path}: {exc}; the previous checkpoint is untouched."
+    return f"cannot write {path}: {exc}{unseen_directory(exc, path)}; the previous checkpoint is untouched."
+
+
+def unseen_directory(exc: OSError, path: Path) -> str:
+    """A hint for a file whose directory is missing on this machine: another rank made that
+    directory, so the checkpoint directory is probably not shared by every machine."""
+    if exc.errno != errno.ENOENT or path.parent.exists():
+        return ""
+    return (
+        f". Its directory {path.parent.name} is missing on this machine ({socket.gethostname()}),"
+        " though another rank made it: the checkpoint directory is probably not shared by every"
+        " machine. Give every rank a directory on a filesystem they all see (the same path on"
+        " each machine)"
+    )
+
+
+def cannot_read(exc: OSError, path: Path) -> CheckpointError:
+    """The error for a checkpoint file that could not be read."""
+    return CheckpointError(f"cannot read {path}: {exc}{unseen_directory(exc, path)}")
 
 
 def check_length(path: Path) -> None:
@@ -379,7 +398,7 @@ def check_length(path: Path) -> None:
             header = fh.readline(len(_MAGIC) + 64)
             size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise cannot_read(exc, path) from exc
     parts = header.rstrip(b"\n").split(b" ")
     if len(parts) != 3 or parts[0] not in _MAGICS or not parts[2].isdigit():
         raise CheckpointError(f"{path} is not a lockstep checkpoint file (bad header)")
@@ -417,7 +436,7 @@ def read_verified(path: Path) -> Any:
                 raise CheckpointError(_corrupted(path))
             return _safe_load(payload, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise cannot_read(exc, path) from exc
 
 
 def load_file(path: Path | str) -> Any:
@@ -444,5 +463,5 @@ def load_file(path: Path | str) -> Any:
                 f.seek(0)
                 return _safe_load(f, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise cannot_read(exc, path) from exc
     return read_verified(path)
