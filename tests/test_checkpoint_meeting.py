@@ -78,3 +78,18 @@ def test_the_timeout_names_the_ranks_that_never_came(monkeypatch):
     missing = meeting._wait(store, _keys(4), "meet/abc/1/count/g", "save(step=1)",
                             Path("/ck"), timedelta(seconds=0.2))
     assert missing == [1, 3]
+
+
+def test_a_rank_that_left_over_another_directory_is_named_for_it_not_as_lost(monkeypatch):
+    """Rank 1 saw rank 0 in another directory, raised and exited: rank 0's check for the dead
+    finds it gone before its next look. It must still say "different directories"."""
+    monkeypatch.setattr(meeting, "_FIRST_LOOK_S", 60.0)  # the death check comes first
+    monkeypatch.setattr(meeting, "_FIRST_DEATH_CHECK_S", 0.0)
+    monkeypatch.setattr(meeting.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(meeting, "_dead_among", lambda missing, records: {1: "exited"})
+    store = FakeStore(ranks=2, step=0)
+    store.set("meet/abc/1/0", "1")
+    store.set(f"{meeting._IN_CALL}/1", "/elsewhere")  # its mark stays after its error
+    with pytest.raises(CheckpointError, match="different directories"):
+        meeting._wait(store, _keys(2), "meet/abc/1/count/g", "restore()", Path("/ck"),
+                      timedelta(seconds=30))

@@ -155,6 +155,8 @@ def _wait(
         if now >= check_deaths:
             dead = _dead_among([r for r, key in keys.items() if not store.check([key])], records)
             if dead:
+                # A rank that left because it saw this one in another directory: say that.
+                _refuse_other_directories(store, keys, call, directory)
                 raise PeerLostError("", dead)
             check_deaths = now + _DEATH_CHECK_EVERY_S
         # Look again after `pause`, growing from 0.5 ms: the ranks usually arrive within a few
