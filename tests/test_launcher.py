@@ -68,6 +68,13 @@ def _args(*argv: str):
         ),
         (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:0", "JOB"], "port 0 cannot be shared"),
         (["--rdzv-conf", "timeout", "JOB"], "'timeout' is not KEY=VALUE"),
+        # Until 2026-11-29 torch's ValueError surfaced as a launcher traceback (exit 1).
+        (["--rdzv-conf", "join_timeout=abc", "JOB"], "join_timeout takes a whole number"),
+        (["--rdzv-conf", "is_host=maybe", "JOB"], "is_host takes 1 or 0"),
+        (["--no-python", "no_such_program_xyz", "JOB"],
+         "--no-python program 'no_such_program_xyz' is not found on PATH"),
+        (["--no-python", "./no_such_program_xyz", "JOB"], "does not exist: looked for"),
+        (["--no-python", str(JOB), "JOB"], "is not executable: chmod +x"),
         (["--local-ranks-filter", "a", "JOB"], "--local-ranks-filter 'a' is not a list"),
         (["--survivors", "--max-restarts", "1", "--nnodes", "1:2", "--rdzv-endpoint",
           "10.0.0.1:29400", "JOB"], "--survivors needs a fixed number of machines"),

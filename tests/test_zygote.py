@@ -21,6 +21,7 @@ atexit.register(lambda: print("atexit ran", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended", flush=True))).start()
 print("name", __name__, "argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(__file__))
 print("env", os.environ.get("ZYGOTE_TEST"), "process", multiprocessing.current_process().name)
+print("stdin fd", sys.stdin.fileno())  # the launcher's standard input, as in a new interpreter
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "raise":
     raise ValueError("the script's own error")
@@ -58,6 +59,7 @@ def test_a_forked_worker_runs_the_script_as_python_would(zygote, tmp_path) -> No
     out, err = _read(proc.stdout), _read(proc.stderr)
     assert "name __main__ argv ['3', '-u'] path0 True" in out
     assert "env given process MainProcess" in out
+    assert "stdin fd 0" in out  # /dev/null on another descriptor until 2026-11-29
     # The interpreter's exit: the non-daemon thread is joined before atexit runs.
     assert out.index("thread ended") < out.index("atexit ran"), out
     assert err.strip() == "to stderr"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Mapping
@@ -193,13 +194,26 @@ def _parse_nproc(value: str) -> int:
     return nproc
 
 
+# --rdzv-conf keys the rendezvous reads as whole seconds or counts, and as yes/no.
+_WHOLE_NUMBER_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                      "timeout", "read_timeout", "keep_alive_interval", "keep_alive_max_attempt")
+_YES_NO = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")
+
+
 def _rdzv_configs(text: str) -> dict[str, str]:
     configs = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--rdzv-conf {text!r}: {item!r} is not KEY=VALUE")
-        configs[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in _WHOLE_NUMBER_KEYS and not value.isdigit():
+            raise ValueError(f"--rdzv-conf {key}={value!r}: {key} takes a whole number "
+                             f"(seconds, or a count), e.g. {key}=60")
+        if key == "is_host" and value.lower() not in _YES_NO:
+            raise ValueError(f"--rdzv-conf is_host={value!r}: is_host takes 1 or 0 "
+                             "(true/false, yes/no)")
+        configs[key] = value
     return configs
 
 
@@ -217,11 +231,31 @@ def _check_script(args: argparse.Namespace) -> None:
     if args.module:
         _check_module(script)
         return
-    if args.no_python or os.path.isfile(script):
+    if args.no_python:
+        _check_program(script)
+        return
+    if os.path.isfile(script):
         return
     where = os.path.abspath(script)
     hint = " (it is a folder)" if os.path.isdir(script) else ""
     raise ValueError(f"training script {script!r} does not exist{hint}: looked for {where}")
+
+
+def _check_program(program: str) -> None:
+    """``--no-python``: the program must be found (on PATH, or as a path) and executable."""
+    if shutil.which(program) is not None:
+        return
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise ValueError(f"--no-python program {program!r} does not exist: looked for "
+                             f"{os.path.abspath(program)}")
+        if os.path.isdir(program):
+            raise ValueError(f"--no-python program {program!r} is a folder, not a program")
+        raise ValueError(f"--no-python program {program!r} is not executable: chmod +x "
+                         f"{program}")
+    hint = (f" (a file of that name is in this folder: give it as ./{program})"
+            if os.path.isfile(program) else "")
+    raise ValueError(f"--no-python program {program!r} is not found on PATH{hint}")
 
 
 def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, dict]:

@@ -232,6 +232,9 @@ def _as_interpreter(args: list[str]) -> int:
     from lockstep.launcher import worker
 
     sys.stdout, sys.stderr = _text_stream(1), _text_stream(2)
+    # multiprocessing gave the fork server /dev/null as sys.stdin; fd 0 is still the launcher's
+    # standard input, which a new interpreter reads (``input()``, a piped dataset list).
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the interpreter's stream, never closed
     # Its parent is the fork server, which lives as long as the launcher: the worker's check
     # that the launcher is its parent looks at the fork server.
     os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
