@@ -155,3 +155,20 @@ def test_the_workers_meet_where_the_user_said():
     assert (info.rank, info.world_size, handler.use_agent_store) == (0, 1, True)
     assert handler.shutdown() is True
     assert info.store.add(DEPARTED_KEY, 0) == 1  # it counted itself out, in the job's store
+
+
+def test_static_on_loopback_keeps_gloo_on_loopback():
+    """--master-addr 127.0.0.1 is one machine: gloo's sockets stay on loopback, as with the
+    default rendezvous (until 2026-11-29 they listened on the host name's address)."""
+    import socket
+
+    if "lo" not in {name for _, name in socket.if_nameindex()}:
+        pytest.skip("no loopback interface named lo")
+    local = build_parser().parse_args([
+        "run", "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", "29511",
+        "--no-python", "/bin/true"])
+    assert config.plan_from_args(local, environ={}).worker_env["GLOO_SOCKET_IFNAME"] == "lo"
+    remote = build_parser().parse_args([
+        "run", "--rdzv-backend", "static", "--master-addr", "10.0.0.1", "--master-port", "29511",
+        "--nnodes", "2", "--no-python", "/bin/true"])
+    assert "GLOO_SOCKET_IFNAME" not in config.plan_from_args(remote, environ={}).worker_env

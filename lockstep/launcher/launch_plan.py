@@ -330,8 +330,9 @@ def plan_from_args(
     worker_env = omp_threads(nproc, environ, getattr(args, "virtual_shards", None))
     if getattr(args, "virtual_shards", None) is not None:
         worker_env.update(virtual_shards_env(args.virtual_shards, nproc, min_nodes, max_nodes))
-    if backend == LOOPBACK_BACKEND:
-        worker_env.update(loopback_gloo(environ))
+    static_on_loopback = backend == "static" and is_loopback_host(endpoint.rsplit(":", 1)[0])
+    if backend == LOOPBACK_BACKEND or static_on_loopback:
+        worker_env.update(loopback_gloo(environ))  # gloo's sockets stay on this machine
     entrypoint, cmd = _command(args, environ)
     survivors, spares, node_timeout = _survivor_flags(args)
     return LaunchPlan(
