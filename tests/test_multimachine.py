@@ -56,6 +56,9 @@ def test_waiting_line_and_timeout_name_what_was_seen():
     assert "a launcher on host-c (pid 3) asked for --nnodes 3 (this one: 2)" in line
     elastic = _meeting([], min_nodes=1).waiting_line(view, [], me, 3)
     assert "1 joined (1 needed, up to 2) (host-a) after 3 s" in elastic
+    # Enough machines: the round starts at its last call, not at the join timeout.
+    assert elastic.endswith("starting with 1 machine 30 s after the last one joined, unless "
+                            "more join (last_call_timeout)"), elastic
     error = meeting.timeout_message(view, visitors[:1], me)
     assert "no rendezvous at 10.0.0.1:29400 (job train7) within 600 s: 1 machine joined " \
            "(host-a) of the 2 needed; no other launcher reached the endpoint." in error

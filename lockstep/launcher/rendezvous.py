@@ -309,6 +309,7 @@ def _meeting(params: RendezvousParameters, hosting: bool) -> Meeting | None:
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         join_timeout=_rendezvous_timeout(params).join.total_seconds(),
+        last_call=_rendezvous_timeout(params).last_call.total_seconds(),
         hosting=hosting,
         max_restarts=params.get_as_int("lockstep_max_restarts", 0) or 0,
         say=say_on_stderr,

@@ -142,6 +142,8 @@ class Meeting:
         max_restarts: ``--max-restarts``, to say "restart 1 of 2".
         say: where lines go (the launcher's stderr by default).
         interval: seconds between waiting lines (default: :func:`report_interval`).
+        last_call: seconds an elastic round waits for more machines once enough have joined
+            (``--rdzv-conf last_call_timeout``; torch's default 30).
     """
 
     def __init__(
@@ -155,8 +157,10 @@ class Meeting:
         max_restarts: int = 0,
         say: Callable[[str], None] = say_on_stderr,
         interval: float | None = None,
+        last_call: float = 30.0,
     ) -> None:
         self.endpoint = endpoint
+        self.last_call = last_call
         self.run_id = run_id
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
@@ -206,8 +210,14 @@ class Meeting:
         if hosts:
             joined += f" ({', '.join(hosts)})"
         where = "hosted here" if self.hosting else "store reached"
+        if self.min_nodes < self.max_nodes and len(hosts) >= self.min_nodes:
+            # Enough have come: the round closes at its last call, not at the join timeout.
+            ends = (f"starting with {_plural(len(hosts), 'machine')} {self.last_call:.0f} s "
+                    "after the last one joined, unless more join (last_call_timeout)")
+        else:
+            ends = f"giving up at {self.join_timeout:.0f} s"
         line = (f"waiting for machines at {self.endpoint} (job {self.run_id}, {where}): {joined} "
-                f"after {waited_s:.0f} s; giving up at {self.join_timeout:.0f} s")
+                f"after {waited_s:.0f} s; {ends}")
         odd = self.strangers(visitors, me)
         return line + (". But " + "; ".join(odd) if odd else "")
 
