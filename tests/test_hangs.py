@@ -121,6 +121,18 @@ def test_rank_that_exited_early_is_the_root_cause(tmp_path, monkeypatch):
     assert exit_code_for(failures[0]) == 1
 
 
+def test_a_rank_on_another_machine_is_not_said_to_have_exited(tmp_path, monkeypatch):
+    """This launcher cannot see how a rank of another machine ended: it may be that machine
+    that was lost (until 2026-11-29 the report said "left early: it exited")."""
+    waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: bucket failed")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", waited.error_file)
+    write_blame(0, [{"rank": 2, "state": "exited", "local_rank": 0, "pid": 7, "step": 2,
+                     "phase": "after backward", "host": "host-b"}], "rank 0: rank 2 exited")
+    report = format_report(failures_from(ChildFailedError("job", {0: waited})))
+    assert ("rank 2 (local rank 0, pid 7) stopped on host-b at step 2, phase 'after backward' "
+            "while its peers waited for it: its process ended or that machine was lost") in report
+
+
 def test_a_blamed_rank_that_raised_failed_and_did_not_hang(tmp_path, monkeypatch):
     # The watchdog names missing ranks as "stuck"; one that raised its own error is not hung.
     waited = _failure(tmp_path, 0, 1, "CollectiveTimeoutError: rank 0: all_reduce timed out")

@@ -18,6 +18,7 @@ import glob
 import os
 import re
 import signal
+import socket
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
@@ -191,10 +192,18 @@ def failures_from(error: ChildFailedError, log_dir: str | None = None) -> list[F
                             if any(c.get("rank") == culprit["rank"] for c in v["culprits"])))
     message = verdicts[named_by[0]]["message"] if named_by else ""
     own = next((f for f in found if f.rank == culprit["rank"]), None)
+    elsewhere = own is None and culprit.get("host") not in (None, socket.gethostname())
     if own is None:  # it exited with 0 (left early), or is on another machine
         own = Failure(culprit["rank"], _int(culprit.get("local_rank")), _int(culprit.get("pid")),
                       0, 0, "", "")
-    cause = replace(own, blame=_blame_line(culprit, own), blamed_by=named_by)
+    blame = _blame_line(culprit, own)
+    if elsewhere and blame.startswith("left early"):
+        # This launcher cannot see how a process on another machine ended: its machine may be
+        # the one that was lost, which "exited" would hide.
+        blame = (f"stopped on {culprit['host']}{_where(culprit)} while its peers waited for it: "
+                 "its process ended or that machine was lost (its own launcher, if it still "
+                 "runs, says which)")
+    cause = replace(own, blame=blame, blamed_by=named_by)
     if not cause.summary and message:  # no exception of its own: say what its peers saw
         tail = f"\n\nIts last output:\n{cause.traceback}" if cause.traceback else ""
         said = re.sub(r"^rank \d+: ", "", message)
@@ -222,10 +231,14 @@ def _most_blamed(verdicts: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return next(c for c in sorted(named, key=lambda c: not c.get("meeting")) if c["rank"] == rank)
 
 
+def _where(culprit: dict[str, Any]) -> str:
+    if culprit.get("step") is None:
+        return ""
+    return f" at step {culprit['step']}, phase {culprit.get('phase')!r}"
+
+
 def _blame_line(culprit: dict[str, Any], own: Failure) -> str:
-    where = ""
-    if culprit.get("step") is not None:
-        where = f" at step {culprit['step']}, phase {culprit.get('phase')!r}"
+    where = _where(culprit)
     state = culprit.get("state")
     if culprit.get("meeting"):
         return f"never called {culprit['meeting']}, which its peers waited in{where}"
