@@ -65,6 +65,50 @@ def test_waiting_line_and_timeout_name_what_was_seen():
     assert "the same --rdzv-id (train7) and the same --nnodes (2)" in error
 
 
+def test_a_store_hosted_by_another_job_is_said_once():
+    """Two jobs on one endpoint: the one that hosts the store closes it when it ends, and the
+    other stops with it. The other job's launchers say so when they meet, once."""
+    import json
+    from types import SimpleNamespace
+
+    from lockstep.launcher import rendezvous
+
+    class Store(dict):
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, key):
+            return self[key]
+
+    store = Store({rendezvous._HOST_KEY: json.dumps(
+        {"run_id": "jobX", "host": "host-a", "pid": 42}).encode()})
+    job = {"run_id": "jobY"}
+
+    class Handler(rendezvous.FreshStoreRendezvousHandler):
+        def __init__(self):  # only what the warning reads
+            pass
+
+        @property
+        def settings(self):
+            return SimpleNamespace(**job)
+
+        def _rdzv_store(self):
+            return store
+
+    handler = Handler()
+    lines: list[str] = []
+    meeting = _meeting(lines)
+    handler._warn_of_foreign_host(meeting)
+    handler._warn_of_foreign_host(meeting)
+    assert len(lines) == 1 and ("hosted by the launcher of another job (--rdzv-id jobX, on "
+                                "host-a, pid 42)") in lines[0], lines
+    job["run_id"] = "jobX"  # its own job's host: nothing to say
+    handler._warned_foreign_host = False
+    lines.clear()
+    handler._warn_of_foreign_host(meeting)
+    assert lines == []
+
+
 def test_membership_changes_are_named():
     lines: list[str] = []
     meeting = _meeting(lines, min_nodes=1)

@@ -76,6 +76,7 @@ _VISITORS_KEY = "lockstep/rdzv/visitors"  # every launcher that reached the stor
 _STALE_HEARTBEATS = 3  # keep-alive intervals without a heartbeat: "stopped answering"
 _DEPARTED_KEY = "lockstep/rdzv/departed"  # launchers that left, whatever their job
 _DEPARTURE_WAIT_S = 10.0  # how long the store's host waits for the others to leave
+_HOST_KEY = "lockstep/rdzv/host"  # the launcher that hosts the store: its job, host and pid
 
 
 def lost_members(participants: Any, last_heartbeats: Any, now: datetime, stale_after: float,
@@ -108,6 +109,7 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
 
     meeting: Meeting | None = None
     hosts_store: bool = False
+    _warned_foreign_host: bool = False
     log_dir: str | None = None
     # The agent restarts its workers for one of two reasons: they failed, or it asked
     # num_nodes_waiting() and machines were waiting to join. Remembering the second tells
@@ -146,6 +148,9 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         visit = {"key": repr(me), "host": record["host"], "pid": me.pid,
                  "run_id": self.settings.run_id, "nnodes": meeting.nnodes}
         store.append(_VISITORS_KEY, json.dumps(visit) + "\n")
+        if self.hosts_store:
+            store.set(_HOST_KEY, json.dumps({k: visit[k] for k in ("run_id", "host", "pid")}))
+        self._warned_foreign_host = False
 
     def _nproc_key(self, node: str) -> str:
         return f"lockstep/{self.settings.run_id}/nproc/{node}"
@@ -223,8 +228,25 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
         stale = self.settings.keep_alive_interval.total_seconds() * _STALE_HEARTBEATS
         try:
             meeting.announce(view, evidence, failed=failed_here, stale_after=stale)
+            self._warn_of_foreign_host(meeting)
         except Exception:
             logger.debug("could not announce the round", exc_info=True)
+
+    def _warn_of_foreign_host(self, meeting: Meeting) -> None:
+        """Say once when another job's launcher hosts the store: it closes it at its end."""
+        store = self._rdzv_store()
+        if self.hosts_store or self._warned_foreign_host or not store.check([_HOST_KEY]):
+            return
+        host = json.loads(store.get(_HOST_KEY))
+        if host.get("run_id") == self.settings.run_id:
+            return
+        self._warned_foreign_host = True
+        meeting.say(
+            f"note: the rendezvous store at {meeting.endpoint} is hosted by the launcher of "
+            f"another job (--rdzv-id {host.get('run_id')}, on {host.get('host')}, pid "
+            f"{host.get('pid')}); when that job ends its launcher closes the store and this "
+            "job stops with it. Give each job its own port in --rdzv-endpoint."
+        )
 
     def shutdown(self) -> bool:
         done = super().shutdown()
@@ -254,6 +276,12 @@ class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
             while left < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
                 left = store.add(_DEPARTED_KEY, 0)
+            if left < expected and strangers:
+                self.meeting.say(
+                    f"closing the rendezvous store at {self.meeting.endpoint}, which launchers "
+                    f"of other jobs may still use ({'; '.join(strangers)}): they stop with it. "
+                    "Give each job its own port in --rdzv-endpoint."
+                )
         except Exception:
             logger.debug("orderly departure failed", exc_info=True)
 
