@@ -3,7 +3,8 @@
 ``flat_param`` lays a unit's parameters out as 1/N shards and gathers them back, ``unit`` holds
 the forward/backward hooks that gather, free and reduce-scatter, ``prefetch`` starts the next
 unit's gather early, ``registry`` marks which modules are units, ``checkpoint`` saves and restores through the Checkpointer, ``collectives`` is the one home
-of the collectives gloo may lack, ``mixed_precision`` the policy, and ``api`` ties them into
+of the collectives gloo may lack, ``mixed_precision`` the policy, ``agreement``
+the options every rank must give alike, and ``api`` ties them into
 :func:`lockstep.fully_shard`. Papers: Rajbhandari et al., "ZeRO" (2020, stage 3); Zhao et al.,
 "PyTorch FSDP" (2023).
 """

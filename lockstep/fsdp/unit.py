@@ -26,6 +26,7 @@ from lockstep.ddp.replica_sync import ReplicaMismatchError, first_mismatch
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.fsdp import collectives
+from lockstep.fsdp.agreement import OPTIONS, UnitSettings, settings_mismatch
 from lockstep.fsdp.flat_param import FlatShard
 from lockstep.fsdp.mixed_precision import MixedPrecisionPolicy
 from lockstep.fsdp.prefetch import Prefetcher
@@ -79,30 +80,51 @@ class RootState:
                       "after backward (optimizer step, data loading, next forward)")
 
 
-def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank of ``group`` if a rank's sharded parameters differ from rank 0's.
+def _unit_settings(named: list[tuple[str, FSDPUnit]], root: FSDPUnit) -> UnitSettings:
+    """Each unit's options as the steps will use them (``reshard_after_forward=None`` resolved
+    as the root's first forward resolves it), in plain values for the start-up exchange."""
+    def plain(unit: FSDPUnit, option: str) -> Any:
+        if option == "reshard_after_forward":
+            value = unit.reshard_after_forward
+            return unit is not root if value is None else value
+        value = getattr(unit.mp_policy, option)
+        return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+
+    return [(name or "<root>", tuple(plain(unit, option) for option in OPTIONS))
+            for name, unit in named]
+
+
+def _same_everywhere(named: list[tuple[str, FSDPUnit]], group: dist.ProcessGroup | None,
+                     root: FSDPUnit) -> None:
+    """Raise on every rank of ``group`` if a rank's sharded parameters, or its units' options
+    (``reshard_after_forward``, the mixed-precision policy), differ from rank 0's.
 
     Ranks that built different models would otherwise send gathers of different sizes, and
-    gloo would abort one rank with a size error and reset the others' connections. Checked
+    gloo would abort one rank with a size error and reset the others' connections; ranks whose
+    options differ run different collectives (a hang) or gathers of other dtypes. Checked
     once, at the root's first forward, in one exchange.
     """
     if collectives.group_size(group) == 1:
         return
-    mine = [(f"{name}.{slot.fqn}" if name else slot.fqn, tuple(slot.shape),
-             str(slot.shard.dtype).replace("torch.", ""))
-            for name, unit in named for slot in unit.flat.slots]
+    params = [(f"{name}.{slot.fqn}" if name else slot.fqn, tuple(slot.shape),
+               str(slot.shard.dtype).replace("torch.", ""))
+              for name, unit in named for slot in unit.flat.slots]
+    mine = (params, _unit_settings(named, root))
     everyone: list[Any] = [None] * collectives.group_size(group)
     hang.run(group_progress(group), "fully_shard start-up parameter check",
              lambda: dist.all_gather_object(everyone, mine, group=group))
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
-    for rank, theirs in zip(ranks, everyone):
-        diff = first_mismatch(everyone[0], theirs)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+    for rank, (theirs, _) in zip(ranks, everyone):
+        diff = first_mismatch(everyone[0][0], theirs)
         if diff is not None:
             raise ReplicaMismatchError(
                 f"fully_shard: rank {rank} holds different parameters than rank {ranks[0]}: "
                 f"{diff.replace('rank 0', f'rank {ranks[0]}')}. Every rank must build the same "
                 "model (same code, same arguments) and shard it the same way"
             )
+    differs = settings_mismatch([theirs for _, theirs in everyone], ranks)
+    if differs is not None:
+        raise ReplicaMismatchError(f"fully_shard: {differs}")
 
 
 class FSDPUnit:
@@ -175,9 +197,9 @@ class FSDPUnit:
     def _lazy_init_root(self) -> None:
         named = [(n, u) for n, m in self.module.named_modules() if (u := get_unit(m)) is not None]
         if dist.is_initialized():
-            _same_everywhere(named, self.shard_group)
+            _same_everywhere(named, self.shard_group, self)
             if self.replicate_group is not None:
-                _same_everywhere(named, self.replicate_group)
+                _same_everywhere(named, self.replicate_group, self)
         state = RootState([u for _, u in named])
         for name, unit in named:
             unit.root, unit.name = state, name

@@ -22,6 +22,7 @@ from lockstep.ddp.replica_sync import ReplicaMismatchError
 from lockstep.diagnose import hang
 from lockstep.diagnose.progress import group_progress
 from lockstep.zero import state as zstate
+from lockstep.zero.agreement import agree_on_target, settings, settings_mismatch
 from lockstep.zero.broadcast import (
     attach_views,
     broadcast_buckets,
@@ -63,7 +64,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         ValueError: no parameters, a sparse parameter, parameters on several devices (or on
             the CPU with NCCL), or ``overlap_with_ddp=True``.
         RuntimeError: no process group.
-        ReplicaMismatchError: ranks passed different parameters (a RuntimeError and a ValueError).
+        ReplicaMismatchError: ranks passed different parameters, optimizer classes or
+            hyperparameters (a RuntimeError and a ValueError).
 
     Example::
 
@@ -86,6 +88,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     ) -> None:
         _check_arguments(optimizer_class, overlap_with_ddp)
         self._initialized = False  # add_param_group runs inside Optimizer.__init__
+        self._optimizer_class = optimizer_class
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -246,15 +249,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Gather every shard's state on rank ``to``; call it on every rank before ``state_dict()``.
 
         Raises:
-            ValueError: ``to`` is not a rank of the process group.
+            ValueError: ``to`` is not a rank of the process group, or differs across ranks
+                (on every rank, after one small exchange, instead of a hang in the gather).
         """
-        if not 0 <= to < self.world_size:
-            raise ValueError(f"to={to} is not a rank of the process group (size {self.world_size})")
+        agree_on_target(to, self.process_group, self._ranks)
         owned = self._owned_positions()
         local_to_global = [position for positions in owned for position in positions]
         shard = zstate.shard_state(self.optim.state_dict()["state"], local_to_global)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(shard, gathered, dst=self._ranks[to], group=self.process_group)
+        hang.run(group_progress(self.process_group), "ZeRO consolidate_state_dict gather",
+                 lambda: dist.gather_object(shard, gathered, dst=self._ranks[to],
+                                            group=self.process_group))
         self._consolidated, self._consolidated_at = None, self._steps
         if gathered is not None:
             self._consolidated = {k: v for part in gathered for k, v in part.items()}
@@ -352,7 +357,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         broadcast_buckets(make_buckets([every]), self.rank, self.process_group, self._ranks)
 
     def _check_parameters(self) -> None:
-        """Same device for all; same shapes and dtypes on every rank (else the collectives hang)."""
+        """Same device for all; same shapes and dtypes on every rank (else the collectives hang);
+        the same optimizer class and hyperparameters (else each shard steps with its owner's)."""
         params = [(g, i, p) for g, group in enumerate(self.param_groups)
                   for i, p in enumerate(group["params"])]
         if not params:
@@ -373,15 +379,22 @@ class ZeroRedundancyOptimizer(Optimizer):
         _check_backend(str(dist.get_backend(self.process_group)), device)
         signature = [(g, i, tuple(p.shape), str(p.dtype)) for g, i, p in params]
         everyone: list[Any] = [None] * self.world_size
-        mine = (signature, _checksums([p for _, _, p in params]))
+        # After construction only the new group is compared: an optimizer that changes its
+        # own hyperparameters in step() may have changed the earlier groups on its shard only.
+        first = len(self.param_groups) - 1 if self._initialized else 0
+        mine = (signature, _checksums([p for _, _, p in params]), settings(
+            self._optimizer_class, [_hyperparameters(g) for g in self.param_groups[first:]], first))
         hang.run(group_progress(self.process_group), "ZeRO start-up parameter check",
                  lambda: dist.all_gather_object(everyone, mine, group=self.process_group))
-        ours, our_sums = everyone[0]
-        for rank, (theirs, their_sums) in enumerate(everyone):
+        ours, our_sums, _ = everyone[0]
+        for rank, (theirs, their_sums, _) in enumerate(everyone):
             if theirs != ours:
                 raise ReplicaMismatchError(_mismatch_message(rank, ours, theirs))
             if their_sums != our_sums and sorted(their_sums) == sorted(our_sums):
                 raise ReplicaMismatchError(_order_message(rank, signature, our_sums, their_sums))
+        differs = settings_mismatch([theirs[2] for theirs in everyone], self._ranks)
+        if differs is not None:
+            raise ReplicaMismatchError(f"ZeroRedundancyOptimizer: {differs}")
 
 
 def _check_arguments(optimizer_class: Any, overlap_with_ddp: bool) -> None:
