@@ -17,6 +17,11 @@ at the rendezvous endpoint and the others connect to it; each launcher starts an
 own machine's ranks, and they watch each other's heartbeats (:mod:`lockstep.launcher.machines`):
 the ranks of a machine that stops answering for ``--node-timeout`` seconds are marked dead and
 the others go on; a launcher started again for that machine brings replacements.
+
+A worker frozen (SIGSTOP, stuck in the kernel) neither exits nor closes its connections; the
+workers' heartbeats (:mod:`lockstep.resilience.heartbeat`) tell it from a busy one: a worker or
+spare silent for ``LOCKSTEP_SURVIVORS_HEARTBEAT_TIMEOUT`` seconds is killed with SIGKILL, then
+counted lost as any worker that died.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ from lockstep.launcher.output import PrefixWriter
 from lockstep.launcher.spawn import find_free_port
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
 from lockstep.launcher.zygote import ForkedProcess, Zygote, can_fork
+from lockstep.resilience.heartbeat import (
+    TIMEOUT_ENV,
+    Silence,
+    beat_interval,
+    beat_key,
+    describe_state,
+    heartbeat_timeout,
+)
 from lockstep.resilience.roster import dead_key, job_store, spare_key
 from lockstep.resilience.survivors import JOIN_ENV, SPARE_ENV, SURVIVORS_ENV
 
@@ -110,6 +123,11 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 
 def supervise(plan: LaunchPlan) -> int:
     """Run ``plan``'s workers on this machine with survivors; returns the exit status."""
+    try:
+        heartbeat_timeout({**os.environ, **plan.worker_env})
+    except ValueError as err:
+        print(f"lockstep run: {err}", file=sys.stderr)
+        return 2
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         job = _Job(plan)
@@ -182,6 +200,11 @@ class _Job:
             "TORCHELASTIC_USE_AGENT_STORE": "true", INTERVAL_ENV_VAR: "off",
         }
         self.relay = _Relay()
+        timeout = heartbeat_timeout(self.base)  # checked by supervise()
+        self.silence = (Silence(lambda pid: int(self.store.add(beat_key(node, pid), 0)), timeout)
+                        if timeout is not None else None)
+        self._next_beat_look = 0.0
+        self.frozen: dict[int, str] = {}  # pid -> why this launcher killed it (no heartbeat)
         self.names: dict[int, str] = {}  # pid -> its output prefix
         self.procs: dict[int, Worker] = {}  # rank -> its process
         self.spares: list[Worker] = []  # started, imported, waiting for a rank
@@ -286,6 +309,32 @@ class _Job:
                   f"{sorted(ranks) or '(none known)'}; the others go on. Start its launcher "
                   f"again (--node-rank {node}) to bring replacements.", file=sys.stderr, flush=True)
 
+    def watch_beats(self) -> None:
+        """Kill (SIGKILL) the workers and spares whose heartbeat stood still for the timeout:
+        frozen, they would hold their peers in a collective for good; dead, they are replaced."""
+        now = time.monotonic()
+        if self.silence is None or now < self._next_beat_look:
+            return
+        self._next_beat_look = now + beat_interval(self.silence.timeout)
+        workers: dict[int, tuple[str, Worker]] = {
+            **{p.pid: ("a spare worker", p) for p in self.spares},
+            **{p.pid: (f"rank {r}", p) for r, p in self.procs.items()}}
+        for pid, quiet in self.silence.silent(workers).items():
+            who, proc = workers[pid]
+            if pid in self.frozen or proc.poll() is not None:
+                continue
+            state = describe_state(pid)
+            self.frozen[pid] = f"frozen: no heartbeat for {quiet:.0f} s"
+            print(f"lockstep run: {who} (pid {pid}) has sent no heartbeat for {quiet:.0f} s "
+                  f"({TIMEOUT_ENV}={self.silence.timeout:g})"
+                  f"{f', and is {state}' if state else ''}: counted frozen; it is killed with "
+                  "SIGKILL and counted lost as if it had died", file=sys.stderr, flush=True)
+            proc.kill()
+
+    def _how_it_ended(self, proc: Worker, code: int) -> str:
+        frozen = self.frozen.pop(proc.pid, None)
+        return _describe(code) + (f" (by this launcher: {frozen})" if frozen else "")
+
     def run(self) -> int:
         plan = self.plan
         joining = self.machines is not None and self.machines.replacement
@@ -297,6 +346,7 @@ class _Job:
         finished: set[int] = set()
         while self.procs:
             self.watch_machines()
+            self.watch_beats()
             for spare in list(self.spares):
                 ended = spare.poll()
                 if ended is None:
@@ -305,13 +355,15 @@ class _Job:
                 if ended < 0 and self.spare_kills < _SPARE_KILLS and not self.spares_failed:
                     # Killed (the OOM killer, a user's kill): the script is not at fault.
                     self.spare_kills += 1
-                    print(f"lockstep run: a spare worker (pid {spare.pid}) {_describe(ended)} "
-                          "before it was needed; another is started", file=sys.stderr, flush=True)
+                    print(f"lockstep run: a spare worker (pid {spare.pid}) "
+                          f"{self._how_it_ended(spare, ended)} before it was needed; another is "
+                          "started", file=sys.stderr, flush=True)
                     self.spares.append(self.start(None, True, forked=True))
                 elif ended != 0:  # a spare that cannot start (or killed again and again)
                     self.spares_failed = True
                     print(f"lockstep run: a spare worker (pid {spare.pid}) "
-                          f"{_describe(ended)} before it was needed; no more spares",
+                          f"{self._how_it_ended(spare, ended)} before it was needed; no more "
+                          "spares",
                           file=sys.stderr, flush=True)
             for rank, proc in list(self.procs.items()):
                 code = proc.poll()
@@ -321,8 +373,11 @@ class _Job:
                 if code == 0:
                     finished.add(rank)
                     continue
-                self.store.set(dead_key(rank, proc.pid), str(code))
-                print(f"lockstep run: rank {rank} (pid {proc.pid}) {_describe(code)}",
+                frozen = self.frozen.get(proc.pid)
+                how_ended = self._how_it_ended(proc, code)
+                # What the survivors' messages quote ("a launcher marked it dead (...)").
+                self.store.set(dead_key(rank, proc.pid), f"{code}, {frozen}" if frozen else str(code))
+                print(f"lockstep run: rank {rank} (pid {proc.pid}) {how_ended}",
                       file=sys.stderr, flush=True)
                 alive = self.others_alive()
                 if self.restarts < plan.max_restarts and alive and not finished:

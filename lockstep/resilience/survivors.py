@@ -50,6 +50,7 @@ from lockstep.distributed import (
 )
 from lockstep.env import SURVIVORS_ENV, default_backend
 from lockstep.fsdp.registry import is_sharded
+from lockstep.resilience.heartbeat import Heartbeat, beat_interval, beat_key, heartbeat_timeout
 from lockstep.resilience.losses import LossWatch
 from lockstep.resilience.roster import (
     Member,
@@ -187,6 +188,10 @@ class Survivors:
         self.pid = os.getpid()
         leave_safely_at_exit()  # no init_distributed() here: the groups are made below
         self._store = self._connect()
+        if os.environ.get(JOIN_ENV) != "1":  # named before the first beat: a member watched
+            # by the launcher is a member its peers know, so its death ends their wait
+            self._store.set(f"g0/pid/{os.environ['RANK']}", str(self.pid))
+        self._beat = self._start_heartbeat()  # before a spare's wait: a frozen spare is seen
         # A Checkpointer's meeting learns of a member's death from the launcher's mark, as the
         # roll call does (it waited for its own timeout, 10 minutes, before 2026-11-29).
         self._unprobe = add_absence_probe(self._dead_members)
@@ -209,10 +214,23 @@ class Survivors:
             self._members = (Member(self.slot, self.pid),)
             self._init_group(f"solo/{self.slot}/{self.pid}/", 0, 1)
             return
-        self._store.set(f"g0/pid/{self.slot}", str(self.pid))
-        self._init_group("g0/pg/", self.slot, self.slots)
-        self._members = tuple(Member(s, int(self._store.get(f"g0/pid/{s}")))
-                              for s in range(self.slots))
+        self._form_first_world()
+
+    def _form_first_world(self) -> None:
+        """Generation 0, every slot; a member lost before it formed (killed, or frozen and
+        killed by the launcher) leaves the others to form generation 1 without it."""
+        def named() -> tuple[Member, ...] | None:
+            keys = [f"g0/pid/{s}" for s in range(self.slots)]
+            if not self._store.check(keys):
+                return None
+            return tuple(Member(s, int(self._store.get(k))) for s, k in enumerate(keys))
+
+        self._members = wait_until(named, self.timeout.total_seconds(), "the first members", 0.01)
+        try:
+            self._init_group("g0/pg/", self.slot, self.slots, self._members)
+        except dist.DistNetworkError as exc:  # a member was marked dead meanwhile
+            self._recover(exc)
+            return
         self.history.append((0, tuple(range(self.slots))))
 
     def _connect(self) -> Any:
@@ -220,6 +238,19 @@ class Survivors:
         master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                is_master=False, timeout=timedelta(seconds=self.join_timeout))
         return job_store(master)
+
+    def _start_heartbeat(self) -> Heartbeat | None:
+        """Beat until the process exits (after ``finish()`` too: the script may go on with other
+        work), so that the launcher tells it from a frozen one
+        (:mod:`lockstep.resilience.heartbeat`)."""
+        timeout = heartbeat_timeout()
+        if timeout is None:
+            return None
+        key = beat_key(int(os.environ.get("GROUP_RANK", "0")), self.pid)
+        self._store.add(key, 1)  # the first beat now: the launcher watches from here on
+        beat = Heartbeat(self._connect, key, beat_interval(timeout))
+        atexit.register(beat.stop)  # as the loss watch: no thread inside a store call at exit
+        return beat
 
     def _dead_members(self, ranks: list[int]) -> dict[int, str]:
         """Which of ``ranks`` (of the current world) a launcher has marked dead, and how."""
@@ -493,7 +524,8 @@ class Survivors:
 
     def _recover(self, exc: Exception) -> None:
         """After an error in a step: the roll call, then the next generation (or ``exc``)."""
-        self._require_tracked()
+        if self.history:  # before the first world formed, there is no state to send yet
+            self._require_tracked()
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
         while True:
