@@ -28,6 +28,7 @@ __all__ = [
     "check_mixed_precision",
     "check_module",
     "check_reduce_dtype",
+    "communication_options",
     "resolve_process_group",
     "warn_check_reduction",
 ]
@@ -91,6 +92,42 @@ def bucket_cap_bytes(bucket_cap_mb: Any, bucket_cap_mb_list: Sequence[Any] | Non
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_CAP_MB * MB
     return max(1, int(_check_mb("bucket_cap_mb", bucket_cap_mb) * MB))
+
+
+def communication_options(
+    *,
+    find_unused_parameters: bool,
+    static_graph: bool,
+    bucket_cap_mb: float | None,
+    bucket_cap_mb_list: Sequence[float] | None,
+    broadcast_buffers: bool,
+    forward_sync_buffers: bool,
+    mixed_precision_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    delayed_names: Sequence[str],
+) -> dict[str, Any]:
+    """The options that must agree across ranks, named as the user passes them.
+
+    Each changes which collectives a step runs or their sizes: compared across ranks at
+    construction (``replica_sync.verify_same_parameters``). ``gradient_as_bucket_view`` and
+    ``skip_all_reduce_unused_params`` send the same bytes either way and are left out.
+    ``broadcast_buffers`` is the buffer broadcast at construction, ``forward_sync_buffers`` the
+    one before each forward (``broadcast_buffers=False`` turns off both). The bucket size is
+    the one asked for (already checked by :func:`bucket_cap_bytes`): the list's largest entry,
+    else ``bucket_cap_mb``, else the default.
+    """
+    asked = (max(bucket_cap_mb_list) if bucket_cap_mb_list
+             else DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+    return {
+        "find_unused_parameters": bool(find_unused_parameters),
+        "static_graph": bool(static_graph),
+        "bucket_cap_mb": float(asked),
+        "broadcast_buffers": bool(broadcast_buffers),
+        "forward_sync_buffers": bool(forward_sync_buffers),
+        "mixed_precision.reduce_dtype": None if mixed_precision_dtype is None else str(mixed_precision_dtype),
+        "reduce_dtype": None if reduce_dtype is None else str(reduce_dtype),
+        "delay_all_reduce_named_params": list(delayed_names),
+    }
 
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> Any:

@@ -3,11 +3,14 @@
 Replicas that disagree on their parameters would all-reduce mismatched buffers: at best a
 hang, at worst silently wrong gradients. So construction first compares every rank's parameter
 list with rank 0's and fails on every rank with the same message, naming the first difference.
+The options that shape communication (``find_unused_parameters``, ``static_graph``, the bucket
+size, buffer broadcasts, the reduction dtype) ride in the same exchange: given per rank, they
+hung or aborted the first backward with a message that named neither the option nor the rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ __all__ = [
     "buffer_slots",
     "first_mismatch",
     "live_buffers",
+    "option_mismatch",
     "parameter_signature",
     "verify_same_parameters",
 ]
@@ -35,7 +39,8 @@ Signature = list[tuple[Any, ...]]
 
 
 class ReplicaMismatchError(RuntimeError, ValueError):
-    """Ranks hold different parameters (DDP's and ZeRO's start-up check).
+    """Ranks hold different parameters, or were given different DDP options (DDP's and ZeRO's
+    start-up check).
 
     A subclass of both :class:`RuntimeError` (what torch's DDP and ZeRO raise, so ``except
     RuntimeError`` written for torch still catches it) and :class:`ValueError` (what lockstep
@@ -76,23 +81,53 @@ def first_mismatch(reference: Signature, other: Signature, kind: str = "paramete
     return None
 
 
+def option_mismatch(per_rank: Sequence[Mapping[str, Any]],
+                    owner: str = "DistributedDataParallel") -> str | None:
+    """Describe the first option whose value differs across ranks, or ``None`` when all agree.
+
+    Args:
+        per_rank: each rank's options (name to a comparable value), in rank order.
+        owner: the class named in the message.
+    """
+    names = list(dict.fromkeys(name for options in per_rank for name in options))
+    for name in names:
+        values = [options.get(name) for options in per_rank]
+        if any(v != values[0] for v in values[1:]):
+            by_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            return (
+                f"{owner}: {name} differs across ranks ({by_rank}); rank(s) {odd} differ from "
+                f"rank 0. {name} changes which collectives DDP runs, or their sizes, so mixed "
+                "values hang or abort the first step: pass the same value on every rank."
+            )
+    return None
+
+
 def verify_same_parameters(
     named_params: Sequence[tuple[str, torch.Tensor]],
     group: dist.ProcessGroup,
     named_buffers: Sequence[tuple[str, torch.Tensor]] = (),
+    options: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raise on every rank when any rank's parameters (or buffers) differ from rank 0's.
+    """Raise on every rank when any rank's parameters (or buffers, or options) differ from rank 0's.
 
     Buffers are broadcast at construction too; one of another shape would make that broadcast
-    crash the process, so they are compared in the same (single) exchange.
+    crash the process, so they are compared in the same (single) exchange, and so are
+    ``options`` (compared first: ``broadcast_buffers=False`` on one rank also empties its
+    buffer list, and the option is the cause to name).
 
     Raises:
-        ReplicaMismatchError: naming the first differing rank and parameter or buffer.
+        ReplicaMismatchError: naming the first differing option and every rank's value, or the
+            first differing rank and parameter or buffer.
     """
-    mine = (parameter_signature(named_params), parameter_signature(named_buffers))
+    mine = (parameter_signature(named_params), parameter_signature(named_buffers), dict(options or {}))
     world = dist.get_world_size(group)
-    everyone: list[tuple[Signature, Signature] | None] = [None] * world
+    everyone: list[tuple[Signature, Signature, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
+    assert all(theirs is not None for theirs in everyone)
+    differs = option_mismatch([theirs[2] for theirs in everyone if theirs is not None])
+    if differs is not None:
+        raise ReplicaMismatchError(differs)
     reference = everyone[0]
     assert reference is not None
     for rank, theirs in enumerate(everyone[1:], start=1):

@@ -114,7 +114,11 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
         TypeError: ``module`` is not an ``nn.Module``; a size that is not a number.
         ValueError: a bad argument (the message names it).
         ReplicaMismatchError: ranks hold different parameters (a RuntimeError and a ValueError;
-            the message names rank and parameter).
+            the message names rank and parameter), or were given different options that shape
+            communication (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
+            ``broadcast_buffers``…; the message names the option and each rank's value). A comm
+            hook or ``_set_static_graph()`` comes later and is not compared: register the same
+            hook, and call it, on every rank.
         RuntimeError: no process group exists, or the module has no trainable parameter.
 
     Example::
@@ -214,8 +218,15 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
             # A rank that never comes (stuck, or gone before wrapping) is named, not waited on
             # until the backend's anonymous timeout.
             progress = group_progress(self.process_group)
+            options = arguments.communication_options(
+                find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
+                broadcast_buffers=sync_buffers_at_init,
+                forward_sync_buffers=self.forward_sync_buffers,
+                mixed_precision_dtype=self._reduce_dtype, reduce_dtype=self.reduce_dtype,
+                delayed_names=self._delayed_names)
             hang.run(progress, "DDP start-up parameter check",
-                     lambda: verify_same_parameters(params, self.process_group, buffers))
+                     lambda: verify_same_parameters(params, self.process_group, buffers, options))
             state = [p.detach() for _, p in params] + [b.detach() for _, b in buffers]
             hang.run(progress, "DDP start-up broadcast from rank 0",
                      lambda: broadcast_coalesced(state, self._src, self.process_group))
@@ -260,7 +271,8 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
     def _set_static_graph(self) -> None:
         """torch's older way to ask for ``static_graph=True``, after construction and before the
         first forward (gradient-checkpointing recipes call it); the constructor argument is
-        the better way, as torch's docs say.
+        the better way, as torch's docs say (and it is compared across ranks at construction;
+        this call is not: call it on every rank, or gloo aborts the first backward).
 
         Raises:
             RuntimeError: a forward has already run.
@@ -476,7 +488,9 @@ class DistributedDataParallel(PersistentDDP, ProfiledDDP, JoinableDDP):
 
         The future's value must be the bucket's flat tensor averaged over ranks. Register once
         (a second call raises RuntimeError, as torch's). Hooks written for torch's DDP work
-        unchanged.
+        unchanged. Register the same hook on every rank: it is not compared across ranks (that
+        would take a collective here, where one rank may call alone), and a hook on some ranks
+        only makes gloo abort the first backward.
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")

@@ -193,9 +193,12 @@ class AbortGuard:
             f"rank {me}: gloo aborted this process: a collective received a message of another "
             f"size (a collective mismatch). The ranks disagree on how many collectives they ran on "
             f"ranks [{key.replace('-', ', ')}]: {described}, where the others entered {expected}. "
-            f"Rank(s) {ranks} skipped a collective (or ran an extra one): look for a "
-            "rank-dependent branch or uneven data around that step. LOCKSTEP_DEBUG_COLLECTIVES=1 "
-            "checks every collective before it runs."
+            f"Rank(s) {ranks} ran a different sequence of collectives than the others: a "
+            "skipped or extra collective (look for a rank-dependent branch or uneven data around "
+            "that step), or settings that differ per rank and change how many collectives run or "
+            "their sizes (DDP's bucket_cap_mb, find_unused_parameters, static_graph, a comm hook "
+            "registered on some ranks only, a dtype). LOCKSTEP_DEBUG_COLLECTIVES=1 checks every "
+            "collective before it runs."
         )
         culprits = [{"rank": r, "state": "skipped", "count": counts[key][r], "expected": expected,
                      **{k: (records.get(r) or {}).get(k) for k in ("host", "pid", "local_rank",
