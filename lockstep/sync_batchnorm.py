@@ -154,14 +154,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # from other ranks; weight and bias gradients are their local values (DDP averages).
         sum_dy = grad_y.sum(dims)
         sum_dy_xhat = (grad_y * x_hat).sum(dims)
-        packed = torch.cat([sum_dy, sum_dy_xhat]).double()
-        _all_reduce(packed, ctx.group)
-        channels = sum_dy.numel()
-        mean_dy = (packed[:channels] / ctx.total).to(x_hat.dtype)
-        mean_dy_xhat = (packed[channels:] / ctx.total).to(x_hat.dtype)
-        scale = invstd if weight is None else invstd * weight.to(x_hat.dtype)
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # only the input's gradient needs the other ranks' sums
+            packed = torch.cat([sum_dy, sum_dy_xhat]).double()
+            _all_reduce(packed, ctx.group)
+            channels = sum_dy.numel()
+            mean_dy = (packed[:channels] / ctx.total).to(x_hat.dtype)
+            mean_dy_xhat = (packed[channels:] / ctx.total).to(x_hat.dtype)
+            scale = invstd if weight is None else invstd * weight.to(x_hat.dtype)
             centred = (
                 grad_y
                 - _channel_view(mean_dy, x_hat)

@@ -218,6 +218,18 @@ def _disagreements(rank: int) -> dict:
     expected[rank * 4 : rank * 4 + 4].square().sum().backward()
     found["bias_false"] = _diff(out, expected[rank * 4 : rank * 4 + 4])
     found["bias_false_grad"] = _diff(layer.weight.grad, reference.weight.grad)
+    # An input that needs no gradient: the backward sends nothing (as torch's), and the weight's
+    # gradient is still its slice's.
+    import lockstep.sync_batchnorm as module
+
+    sent, reduce = [], module._all_reduce
+    module._all_reduce = lambda t, g: (sent.append(t.numel()), reduce(t, g))
+    layer.weight.grad = reference.weight.grad = None
+    layer(x.detach()[rank * 4 : rank * 4 + 4]).square().sum().backward()
+    reference(x.detach())[rank * 4 : rank * 4 + 4].square().sum().backward()
+    module._all_reduce = reduce
+    found["frozen_input_sent"] = len(sent)
+    found["frozen_input_grad"] = _diff(layer.weight.grad, reference.weight.grad)
     # A float64 input for a float32 layer is refused, as BatchNorm refuses it at any world size.
     try:
         SyncBatchNorm(C)(torch.randn(4, C, dtype=torch.float64))
@@ -235,5 +247,6 @@ def test_disagreeing_ranks_and_bias_false_over_two_ranks():
     for found in lockstep.spawn(_disagreements, 2, timeout=120):
         # Each rank's weight gradient is its own slice's loss's, as the reference's.
         assert found["bias_false"] < 1e-5 and found["bias_false_grad"] < 1e-5
+        assert found["frozen_input_sent"] == 0 and found["frozen_input_grad"] < 1e-5
         assert "mixed dtype" in found["mixed"] and "torch.float64" in found["mixed"]
         assert f"rank 0: {C}, rank 1: {C + 1}" in found["channels"]
