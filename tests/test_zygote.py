@@ -112,6 +112,7 @@ print(f"attempt {attempt} rank {rank} forked {forked} name {__name__} argv {sys.
       f"threads {torch.get_num_threads()}", flush=True)
 threading.Thread(target=lambda: print(f"thread ended {attempt}", flush=True)).start()
 print(f"user env {attempt} {os.environ.get('LOCKSTEP_TEST_USER_FLAG')} {'PATH' in os.environ}", flush=True)
+print(f"signals {attempt} {os.environ.get('TORCHELASTIC_SIGNALS_TO_HANDLE')}", flush=True)
 # A thread that waits for the main thread to end (as a checkpoint's writer may) ends too.
 main = threading.main_thread()
 threading.Thread(target=lambda: (main.join(), print(f"after main {attempt}", flush=True))).start()
@@ -154,6 +155,9 @@ def test_restarted_workers_are_forked_with_torch_imported(tmp_path) -> None:
         assert run.stdout.count(f"thread ended {attempt}") == 2, run.stdout
         # The user's environment reaches forked workers (it was emptied before 2026-11-28).
         assert run.stdout.count(f"user env {attempt} kept True") == 2, run.stdout
+        # torch's launcher sets this for its workers; forked ones lacked it until 2026-11-29.
+        assert run.stdout.count(f"signals {attempt} SIGTERM,SIGINT,SIGHUP,SIGQUIT") == 2, \
+            run.stdout
         assert run.stdout.count(f"after main {attempt}") == 2, run.stdout
     assert run.stdout.count("atexit ran 1") == 2, run.stdout
     # Each worker's generators are seeded as a new interpreter's are, not copied from the server.

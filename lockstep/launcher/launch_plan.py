@@ -33,6 +33,8 @@ from lockstep.virtual_world import virtual_shards_env
 
 __all__ = [
     "DEFAULT_RDZV_PORT",
+    "DEFAULT_SIGNALS",
+    "SIGNALS_ENV",
     "LaunchPlan",
     "auto_nproc",
     "parse_endpoint",
@@ -371,6 +373,8 @@ _AGENT_FLAGS = {
     "duplicate_stderr_filters": "",
     "event_log_handler": "null",
 }
+DEFAULT_SIGNALS = _AGENT_FLAGS["signals_to_handle"]
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # where torch's launcher tells its workers
 
 
 def _agent_options(args: argparse.Namespace, survivors: bool) -> dict[str, Any]:

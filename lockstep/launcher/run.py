@@ -31,7 +31,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.launcher.api import elastic_launch
 
 from lockstep.launcher.errors import exit_code_for, failures_from, format_report
-from lockstep.launcher.launch_plan import LaunchPlan, to_launch_config
+from lockstep.launcher.launch_plan import (
+    DEFAULT_SIGNALS,
+    SIGNALS_ENV,
+    LaunchPlan,
+    to_launch_config,
+)
 from lockstep.launcher.output import OutputRelay
 from lockstep.launcher.rendezvous import register_backends
 from lockstep.launcher.worker import LAUNCHER_PID_ENV
@@ -92,7 +97,10 @@ def launch(plan: LaunchPlan) -> int:
 
         return supervise(plan)
     register_backends()
-    env = {**plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid())}
+    env = {**plan.worker_env, LAUNCHER_PID_ENV: str(os.getpid()),
+           # torch's launcher sets it for the agent's workers; the fork server, started first,
+           # must have it too, or forked workers (and the process pools they start) lack it.
+           SIGNALS_ENV: str(plan.agent_options.get("signals_to_handle", DEFAULT_SIGNALS))}
     with _log_dir(plan.log_dir) as log_dir, scoped_environ(env):
         forked = _fork_server(plan)
         config = to_launch_config(plan, log_dir, start_method="forkserver" if forked else None)
