@@ -399,15 +399,20 @@ class _Job:
                 # would wait for a step that never comes (team.finish() says it, too).
                 self.store.set("done", "1")
             time.sleep(plan.monitor_interval)
-        if self.machines is not None:
+        if self.machines is not None and plan.node_rank == 0:
             self.machines.finished()
-            if plan.node_rank == 0:  # the store lives as long as this launcher: wait for all
-                late = self.machines.wait_for_others(limit=60.0)
-                if late:
-                    print(f"lockstep run: machines {late} still run 60 s after this one's "
-                          "workers ended; closing the job's store", file=sys.stderr, flush=True)
+            # The store lives as long as this launcher: wait for every other machine.
+            late = self.machines.wait_for_others(limit=60.0)
+            if late:
+                print(f"lockstep run: machines {late} still run 60 s after this one's "
+                      "workers ended; closing the job's store", file=sys.stderr, flush=True)
         self.store.set("done", "1")  # spares still waiting exit on their own
         _stop({i: p for i, p in enumerate(self.spares)}, grace=_STOP_GRACE_S)
+        if self.machines is not None and plan.node_rank != 0:
+            # Only now, with this machine's spares gone: machine 0 closes the store once every
+            # machine says it finished, and a spare's thread still polling it printed a
+            # "Broken pipe" trace after a job that had succeeded.
+            self.machines.finished()
         return 0
 
     def stop_all(self) -> None:
